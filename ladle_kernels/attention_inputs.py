@@ -68,6 +68,9 @@ class AttentionInputs(Protocol):
     def query_lens_cpu(self) -> list[int]: ...
 
     @property
+    def seq_lens_cpu(self) -> list[int]: ...
+
+    @property
     def block_size(self) -> int: ...
 
     @property

@@ -164,23 +164,44 @@ def paged_decode_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q `[B, H, D]` (one new token per row) over positions `[0, seq_lens[b])` of the paged cache -> `[B, H, D]`;
     with a sliding `window` > 0, over `[seq_lens[b] - window, seq_lens[b])` only; with `softcap` > 0, scores
-    soft-capped, and with `sinks` (`[H]` float32) a sink logit per head, as `reference.paged_attention` says.
+    soft-capped, and with `sinks` (`[H]` float32) a sink logit per head, as `reference.paged_attention` says; with
+    `alibi_slopes` (`[H]` float32) each scaled score of position j plus `alibi_slopes[h] * (j - p)`, p the row's own
+    position (`seq_lens[b] - 1`), as `engine_server.layers.alibi.alibi_attention` computes it.
 
     An FP8 cache (`reference.is_fp8_kv_cache`) is read as the reference reads it: each tile's rows decoded to the
     float32 values `reference.fp8_kv_values` gives, so a row's result is the same bits as over a float32 cache
     holding them.
 
     Raises RuntimeError on a malformed input (dtype, shape, a length beyond the block table, a block id outside
-    the cache, a negative window or soft-cap, sinks not `[H]` float32), before anything is read. Needs the
-    extension (`cpu_ops()` is not None).
+    the cache, a negative window or soft-cap, sinks or slopes not `[H]` float32), before anything is read. Needs
+    the extension (`cpu_ops()` is not None).
     """
     out: torch.Tensor = torch.ops.ladle_cpu.paged_decode_attention(
-        q, kv_cache, block_tables, seq_lens, scale, window, softcap, sinks
+        q, kv_cache, block_tables, seq_lens, scale, window, softcap, sinks, alibi_slopes
     )
     return out
+
+
+def alibi_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionInputs,
+    scale: float,
+    slopes: torch.Tensor,
+    falcon: bool = False,
+) -> torch.Tensor:
+    """`reference.alibi_attention`'s contract; BLOOM's and MPT's bias (`slopes[h] * (j - p)`) with every token
+    through the decode kernel as a row of its own (as `paged_attention_by_token`: a token's result depends on its
+    query and the cache alone, bit for bit), the reference elsewhere (Falcon-RW's bfloat16 bias, not float32, a
+    head dim not in `HEAD_DIMS`)."""
+    if falcon or q.dtype != torch.float32 or q.shape[-1] not in HEAD_DIMS:
+        return reference.alibi_attention(q, kv_cache, meta, scale, slopes, falcon)
+    tables, lens = (meta.block_tables, meta.seq_lens) if meta.max_query_len == 1 else meta.token_rows
+    return paged_decode_attention(q.contiguous(), kv_cache, tables, lens, scale, alibi_slopes=slopes.contiguous())
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -422,6 +443,7 @@ def cpu_ops() -> KernelOps | None:
         mamba2_mixer=mamba2_mixer,
         mamba1_conv=mamba1_conv,
         mamba1_scan=mamba1_scan,
+        alibi_attention=alibi_attention,
     )
 
 

@@ -46,6 +46,9 @@ class KernelOps:
     # (`causal_conv.biased_convolution`, `mamba1.mamba1_scan`).
     mamba1_conv: Callable[..., torch.Tensor] = reference.mamba1_conv
     mamba1_scan: Callable[..., torch.Tensor] = reference.mamba1_scan
+    # BLOOM, MPT, Falcon-RW: causal attention over the paged cache with a linear bias by distance
+    # (`reference.alibi_attention`).
+    alibi_attention: Callable[..., torch.Tensor] = reference.alibi_attention
 
 
 REFERENCE_OPS = KernelOps(

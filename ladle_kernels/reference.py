@@ -744,3 +744,46 @@ def fp8_fused_moe(
             down = down if b2 is None else down + b2[e].float()
             out[token] += weights[token, choice].float() * down[0]
     return out.to(x.dtype)
+
+
+def alibi_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionInputs,
+    scale: float,
+    slopes: torch.Tensor,
+    falcon: bool = False,
+) -> torch.Tensor:
+    """ALiBi (BLOOM's, MPT's; `engine_server.layers.alibi` gives the slopes): causal attention of q `[T, H, D]` over
+    the paged cache `[2, blocks, block_size, Hkv, row]` (this step's K/V written already), each score `scale * q . k
+    + slopes[h] * (j - p)` for the query at position p and the key at j (`slopes` `[H]` float32): `[T, H, D]`.
+    `falcon`: each score `scale * (q . k + bf16(slopes[h] * j))` instead (Falcon-RW's bias: slopes bfloat16).
+
+    Sequence by sequence in torch: each sequence's keys and values gathered from its blocks, the scores in q's dtype,
+    the bias and the softmax in float32 (as transformers' BLOOM computes them)."""
+    out = torch.empty_like(q)
+    block, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = q.shape[1] // kv_heads
+    start = 0
+    for row, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+        rows = kv_cache[:, meta.block_tables[row, : -(-seq_len // block)].long()]
+        if is_fp8_kv_cache(kv_cache):
+            rows = fp8_kv_values(rows, q.dtype)
+        rows = rows.reshape(2, -1, kv_heads, rows.shape[-1])[:, :seq_len]
+        keys = rows[0].transpose(0, 1).repeat_interleave(group, dim=0)  # [H, S, D]
+        values = rows[1].transpose(0, 1).repeat_interleave(group, dim=0)
+        queries = q[start : start + query_len].transpose(0, 1)  # [H, Q, D]
+        keys_at = torch.arange(seq_len, device=q.device)
+        queries_at = keys_at[seq_len - query_len :]
+        distance = (keys_at[None, :] - queries_at[:, None]).float()  # [Q, S]
+        scores = torch.matmul(queries, keys.transpose(1, 2)) * scale
+        if falcon:  # the product in bfloat16, as its modeling code computes it, then scaled with the scores
+            bias = (slopes.bfloat16()[:, None] * keys_at[None, :]).float()[:, None, :] * scale
+        else:
+            bias = slopes[:, None, None] * distance
+        scores = scores.float() + bias
+        scores = scores.masked_fill(distance > 0, float("-inf"))
+        weights = torch.softmax(scores, dim=-1).to(q.dtype)
+        out[start : start + query_len] = torch.matmul(weights, values).transpose(0, 1)
+        start += query_len
+    return out

@@ -11,7 +11,7 @@ from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
-from engine_server.layers.alibi import alibi_attention, alibi_slopes
+from engine_server.layers.alibi import alibi_slopes
 from engine_server.layers.mlp import int8_rows
 from engine_server.layers.norm import HeadLayerNorm, RMSNorm, ShardedRMSNorm
 from engine_server.lora.slots import LayerLora
@@ -211,7 +211,7 @@ class PagedSelfAttention(nn.Module):
         ops.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         attend = meta.chunked(self.chunk) if self.chunk else meta
         out = (
-            alibi_attention(q, kv_cache, meta, self.scale, self.get_buffer("alibi_slopes"), self.falcon_alibi)
+            ops.alibi_attention(q, kv_cache, meta, self.scale, self.get_buffer("alibi_slopes"), self.falcon_alibi)
             if self.alibi
             else ops.paged_attention(q, kv_cache, attend, self.scale, self.window, self.softcap, self.sinks)
         )  # fmt: skip

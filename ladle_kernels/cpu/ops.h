@@ -34,7 +34,8 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
                     const at::Tensor& slot_mapping);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
-                                  const std::optional<at::Tensor>& sinks = std::nullopt);
+                                  const std::optional<at::Tensor>& sinks = std::nullopt,
+                                  const std::optional<at::Tensor>& alibi_slopes = std::nullopt);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q4(const at::Tensor& qs, const at::Tensor& scales,
                                                        const at::Tensor& mins);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q8(const at::Tensor& qs, const at::Tensor& scales);

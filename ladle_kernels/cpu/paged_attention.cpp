@@ -11,6 +11,8 @@
 //   softcap      > 0: each score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2); 0: none
 //   sinks        [H] float32 or none: head h's softmax has one more logit, sinks[h], whose weight is dropped
 //                (gpt-oss's attention sinks): out[b, h] is scaled by Z / (Z + exp(sinks[h])), Z its sum of weights
+//   alibi_slopes [H] float32 or none: ALiBi (BLOOM's, MPT's): each scaled score of position j plus
+//                alibi_slopes[h] * (j - p), p = seq_lens[b] - 1 the row's own position (layers/alibi.py)
 //   returns      [B, H, D]: out[b, h] = softmax(scale * q[b, h] . K[j]) @ V[j] over the row's positions j,
 //                K/V from KV head h / (H / Hkv).
 // Consecutive rows with the same block table (one sequence's tokens of a step: a prompt chunk, or a decode's last
@@ -166,16 +168,21 @@ inline void tile_scores(const float* const* qs, const float* kt, Lanes (&s)[B][k
 }
 
 // One row and head's step of the online softmax over a tile whose positions [lo, hi) are the row's: the scores
-// scaled (and capped), the others masked out; running = {max so far, sum of exp(s - max) so far} brought up to
+// scaled (and capped; with an ALiBi `slope`, plus slope * (t + offset) at the tile's position t, offset the tile's
+// start less the row's position), the others masked out; running = {max so far, sum of exp(s - max) so far} brought up to
 // date; weights[t] = exp(s_t - max) (0 outside [lo, hi)). Returns the factor that rescales the value sums so far.
 __attribute__((always_inline)) inline float softmax_tile(const Lanes (&s)[kTileVectors], int64_t lo, int64_t hi,
-                                                         float scale, float softcap, float* running, float* weights) {
+                                                         float scale, float softcap, float slope, int64_t offset,
+                                                         float* running, float* weights) {
   const vec16 none = splat(-__builtin_inff());
   vec16 x[kTileVectors];
   for (int64_t v = 0; v < kTileVectors; ++v) {
     x[v] = lanes_vec(s[v]) * scale;
     if (softcap > 0.f) {
       for (int64_t i = 0; i < kLanes; ++i) x[v][i] = softcap * std::tanh(x[v][i] / softcap);
+    }
+    if (slope != 0.f) {  // the distance is exact in float32 (positions < 2^24); one product, one sum
+      for (int64_t i = 0; i < kLanes; ++i) x[v][i] += slope * static_cast<float>(offset + v * kLanes + i);
     }
   }
   if (lo > 0 || hi < kTile) {
@@ -266,7 +273,7 @@ struct Scratch {
 template <int64_t Dim, typename Cache>
 void attend(const float* q, const Cache* keys, const Cache* values, const int32_t* table, const int32_t* lens,
             int64_t rows, int64_t block_size, int64_t kv_heads, int64_t group, int64_t window, float scale,
-            float softcap, const float* sinks, Scratch& scratch, float* out) {
+            float softcap, const float* sinks, const float* slopes, Scratch& scratch, float* out) {
   constexpr bool fp8 = std::is_same_v<Cache, uint8_t>;
   constexpr int64_t row_length = fp8 ? Dim + kFp8ScaleBytes : Dim;  // of a cached row, in Cache elements
   constexpr int64_t pass = std::gcd(Dim, kPassFloats);  // a divisor of Dim: DeepSeek's 576 in passes of 64
@@ -343,9 +350,11 @@ void attend(const float* q, const Cache* keys, const Cache* values, const int32_
           Lanes s[B][kTileVectors];
           tile_scores<Dim, B>(qs, kt, s);
           for (int64_t b = 0; b < B; ++b) {
-            const auto [lo, hi] = tile_range(batch[b] / heads);
-            rescale[batch[b]] =
-                softmax_tile(s[b], lo, hi, scale, softcap, running + 2 * batch[b], weights + batch[b] * kTile);
+            const int64_t row = batch[b] / heads;
+            const auto [lo, hi] = tile_range(row);
+            const float slope = slopes != nullptr ? slopes[batch[b] % heads] : 0.f;
+            rescale[batch[b]] = softmax_tile(s[b], lo, hi, scale, softcap, slope, t0 - (lens[row] - 1),
+                                             running + 2 * batch[b], weights + batch[b] * kTile);
           }
         });
         batched = 0;
@@ -396,7 +405,8 @@ void attend(const float* q, const Cache* keys, const Cache* values, const int32_
 
 template <typename Cache>
 using AttendFn = void (*)(const float*, const Cache*, const Cache*, const int32_t*, const int32_t*, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, float, float, const float*, Scratch&, float*);
+                          int64_t, int64_t, int64_t, int64_t, float, float, const float*, const float*, Scratch&,
+                          float*);
 
 // The rows' groups: runs of consecutive rows with the same block table, cut to at most `most` rows each.
 std::vector<std::pair<int64_t, int64_t>> row_groups(const int32_t* tables, int64_t rows, int64_t width,
@@ -434,7 +444,8 @@ namespace ladle_cpu {
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
-                                  const std::optional<at::Tensor>& sinks) {
+                                  const std::optional<at::Tensor>& sinks,
+                                  const std::optional<at::Tensor>& alibi_slopes) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be [B, H, D] float32");
   const bool fp8 = kv_cache.scalar_type() == at::kByte;
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && (fp8 || kv_cache.scalar_type() == at::kFloat) &&
@@ -454,6 +465,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
                                      sinks->scalar_type() == at::kFloat && sinks->is_contiguous()),
               "sinks must be [H] float32, contiguous");
   const float* sinks_ptr = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  TORCH_CHECK(!alibi_slopes.has_value() ||
+                  (alibi_slopes->dim() == 1 && alibi_slopes->size(0) == heads &&
+                   alibi_slopes->scalar_type() == at::kFloat && alibi_slopes->is_contiguous()),
+              "alibi_slopes must be [H] float32, contiguous");
+  const float* slopes_ptr = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
   LADLE_CHECK(attend_for<float>(dim) != nullptr, "head dim %lld is not one of 16, 32, 64, 128, 256, 512, 576",
               static_cast<long long>(dim));
   TORCH_CHECK(block_tables.size(0) == rows && seq_lens.size(0) == rows, "one block table and length per row");
@@ -497,7 +513,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
         for (int64_t g = share; g < count_groups; g += shares) {
           const int64_t first = groups[g].first, count = groups[g].second - groups[g].first;
           attend_fn(q_ptr + first * heads * dim, cache, cache + half, tables + first * width, lens_ptr + first,
-                    count, block_size, kv_heads, group, window, fscale, fsoftcap, sinks_ptr, scratch,
+                    count, block_size, kv_heads, group, window, fscale, fsoftcap, sinks_ptr, slopes_ptr, scratch,
                     out_ptr + first * heads * dim);
         }
       }
@@ -515,6 +531,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 
 TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale, "
-        "int window=0, float softcap=0., Tensor? sinks=None) -> Tensor");
+        "int window=0, float softcap=0., Tensor? sinks=None, Tensor? alibi_slopes=None) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::paged_decode_attention));
 }

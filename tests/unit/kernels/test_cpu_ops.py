@@ -194,6 +194,46 @@ def test_attention_sinks_match_the_reference(window: int, sink_scale: float) -> 
 
 
 @needs_kernels
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "slopes_of"), [
+    (9, 3, 64, "bloom"), (4, 4, 16, "mpt"), (16, 16, 128, "bloom"), (6, 2, 32, "mpt"),
+])  # fmt: skip
+def test_alibi_matches_the_reference_every_token_a_row_of_its_own(
+    heads: int, kv_heads: int, head_dim: int, slopes_of: str
+) -> None:
+    """BLOOM's and MPT's ALiBi slopes (a head's bias `slope * (j - p)`) in the decode kernel, prompt tokens and
+    decode rows alike: the reference's result (sequence by sequence in torch), each token the same bits as alone;
+    the bias changes the result. Falcon-RW's bfloat16 bias stays the reference's."""
+    from engine_server.layers.alibi import alibi_slopes
+
+    spec = [(1, 1), (5, 5), (1, 9), (3, 10), (1, 17), (7, 40), (1, 257)]
+    q, cache, meta = make_batch(spec, heads, kv_heads, head_dim, 16, seed=heads + head_dim)
+    slopes = alibi_slopes(slopes_of, heads, 8.0)
+    expected = reference.alibi_attention(q, cache, meta, 0.125, slopes)
+    got = cpu.alibi_attention(q, cache, meta, 0.125, slopes)
+    torch.testing.assert_close(got, expected, **TOLERANCE)
+    assert (cpu.paged_attention_by_token(q, cache, meta, 0.125) - expected).abs().max() > 1e-2
+    tables, lens = meta.token_rows
+    alone = torch.cat([cpu.paged_decode_attention(q[i : i + 1], cache, tables[i : i + 1], lens[i : i + 1], 0.125,
+                                                  alibi_slopes=slopes) for i in range(q.shape[0])])  # fmt: skip
+    assert torch.equal(got, alone)
+    decode = AttentionMetadata.build([1] * 3, [9, 40, 257], [meta.block_tables[i].tolist() for i in (2, 5, 6)], 16,
+                                     "cpu")  # fmt: skip
+    rows = q[[6, 17, 18]]  # the last token of those sequences, as decode rows
+    torch.testing.assert_close(cpu.alibi_attention(rows, cache, decode, 0.125, slopes),
+                               reference.alibi_attention(rows, cache, decode, 0.125, slopes), **TOLERANCE)  # fmt: skip
+    falcon = reference.alibi_attention(q, cache, meta, 0.125, slopes, True)
+    assert torch.equal(cpu.alibi_attention(q, cache, meta, 0.125, slopes, True), falcon)
+
+
+@needs_kernels
+def test_alibi_slopes_of_the_wrong_shape_are_refused() -> None:
+    q, cache, meta = make_batch([(1, 20)], 4, 2, 64, 16)
+    for slopes in (torch.zeros(3), torch.zeros(4, dtype=torch.float64)):
+        with pytest.raises(RuntimeError, match=r"alibi_slopes must be \[H\] float32"):
+            cpu.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, 0.125, alibi_slopes=slopes)
+
+
+@needs_kernels
 def test_sinks_of_the_wrong_shape_are_refused() -> None:
     q, cache, meta = make_batch([(1, 20)], 4, 2, 64, 16)
     for sinks in (torch.zeros(3), torch.zeros(4, dtype=torch.float64), torch.zeros(4, 2)):
