@@ -1427,10 +1427,14 @@ def test_mpt_and_falcon_rw_split_chunked_and_on_int8(tmp_path: Path, name: str, 
 @pytest.mark.parametrize("name", ["opt-350m", "openai-gpt"])
 def test_post_layer_norm_models_split_chunked_and_on_int8(tmp_path: Path, name: str) -> None:
     """OPT-350M's form and GPT-1 (tests/families.py: post-LN blocks, no final norm; OPT-350M's embeddings projected in
-    and out) keep transformers' tokens prefilled in 16-token chunks and preempted, and over two ranks; on int8 each
-    prompt's tokens are the same alone and batched."""
+    and out) keep transformers' tokens prefilled in 16-token chunks and preempted, over two ranks and under n-gram
+    speculation; on int8 each prompt's tokens are the same alone and batched."""
     folder = save_family(tmp_path, name, head_spread=0.5)
     chunked_split_and_int8(folder, lambda model: model.model.layers[0].mlp.up_proj, kv_blocks=48)  # (4 KV heads)
+    speculative = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
+    with engine(folder, speculative_config=speculative) as llm:
+        ours = tokens(llm, prompts())
+        assert ours == reference_tokens(folder).of(ours)
 
 
 def test_a_gpt1_checkpoint_without_its_prefix_equals_transformers(tmp_path: Path) -> None:
