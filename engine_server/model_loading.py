@@ -179,9 +179,9 @@ def num_kv_blocks(
     return int(blocks)
 
 
-def _refuse_unserved(source: ModelSource, config: EngineConfig) -> None:
-    """ValueError, before any weight is read or KV cache allocated, where `config` asks `source`'s model for what
-    it is not served with."""
+def refuse_unserved(source: ModelSource, config: EngineConfig) -> None:
+    """ValueError, before any weight is read or KV cache allocated (and, under tensor parallelism, before any worker
+    starts), where `config` asks `source`'s model for what it is not served with."""
     model = source.config
     if model.assistant is not None:
         raise ValueError(f"model {source.name!r} is a Gemma 4 assistant, which drafts for its Gemma 4 target: "
@@ -236,7 +236,7 @@ def load_model(
 ) -> LoadedModel:
     """`source` loaded on `config`'s device for sequences of up to `max_model_len` tokens (module docstring);
     under tensor parallelism, `tp`'s shards of it (every rank of the group calls this together)."""
-    _refuse_unserved(source, config)
+    refuse_unserved(source, config)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     # Builds the C++ kernels now (first start on this machine only), not on the first request.

@@ -45,7 +45,13 @@ import torch.multiprocessing as mp
 from engine_server.config import EngineConfig
 from engine_server.cuda_graphs import CudaGraphCapture, EagerCapture
 from engine_server.loader import ModelSource
-from engine_server.model_loading import LoadedModel, capture_decode_graphs, load_model, resolve_device
+from engine_server.model_loading import (
+    LoadedModel,
+    capture_decode_graphs,
+    load_model,
+    refuse_unserved,
+    resolve_device,
+)
 from engine_server.models import CausalLM
 from engine_server.parallel.group import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
 from engine_server.parallel.sharding import check_shardable
@@ -119,6 +125,7 @@ def start_tensor_parallel(
     attending = [i for i in range(model.num_hidden_layers) if not model.is_recurrent_layer(i)]
     query_heads = sorted({model.layer_q_heads(i) for i in attending})  # (Laguna's differ by layer)
     check_shardable(query_heads, model.num_key_value_heads, model.mlp_widths, size)
+    refuse_unserved(source, config)  # here, not in each rank: a worker that refuses mid-join fails rank 0's join
     if model.recurrent is not None:
         model.recurrent.sharded(size)  # its heads (or channels) split too
     device = resolve_device(config.device)

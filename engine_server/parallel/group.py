@@ -152,14 +152,31 @@ def init_tensor_parallel(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
+    except BaseException:
+        _forget_failed_join()
+        raise
     group = dist.group.WORLD
-    if not isinstance(group, dist.ProcessGroup):  # only None before init; narrows the type for mypy
-        raise RuntimeError("torch.distributed has no default process group after init_process_group")
-    control = group if backend == "gloo" else dist.new_group(backend="gloo")
-    shm = ShmAllReduce(shm_buffers, rank) if shm_buffers is not None and backend == "gloo" and supported() else None
+    try:
+        if not isinstance(group, dist.ProcessGroup):  # only None before init; narrows the type for mypy
+            raise RuntimeError("torch.distributed has no default process group after init_process_group")
+        control = group if backend == "gloo" else dist.new_group(backend="gloo")
+        shm = ShmAllReduce(shm_buffers, rank) if shm_buffers is not None and backend == "gloo" and supported() else None
+    except BaseException:
+        dist.destroy_process_group()
+        raise
     stats = CollectiveStats(native=None if shm is None else shm.counters)
     return TensorParallel(rank=rank, size=size, group=group, control_group=control, stats=stats, shm_reduce=shm)
+
+
+def _forget_failed_join() -> None:
+    """Leave torch.distributed as a join that failed found it. `init_process_group` names the default group (and
+    prefixes its store keys) by a process-wide count it raises before joining and resets only when a default group
+    is destroyed; after a failed join nothing is, so this process's next group would look for its peers under
+    `/default_pg/1/` while fresh workers write under `/default_pg/0/`, and wait for them until its timeout."""
+    if not dist.is_initialized():
+        dist.distributed_c10d._world.group_count = 0
 
 
 def destroy_tensor_parallel(tp: TensorParallel) -> None:

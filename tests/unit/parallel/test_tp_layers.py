@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from engine_server.parallel.group import SINGLE, TensorParallel, destroy_tensor_parallel, init_tensor_parallel
@@ -159,6 +160,34 @@ def _rank_main(rank: int, size: int, init_method: str) -> None:
 @pytest.mark.parametrize("size", [2, 3])
 def test_sharded_layers_equal_the_unsharded_references(size: int, tmp_path: Path) -> None:
     run_ranks(_rank_main, (size, f"file://{tmp_path / 'rendezvous'}"), size)
+
+
+def _second_rank(rank: int, init_method: str) -> None:
+    tp = init_tensor_parallel(1, 2, init_method, torch.device("cpu"), timeout=timedelta(seconds=60))
+    try:
+        tp.all_reduce_sum(torch.ones(3))
+    finally:
+        destroy_tensor_parallel(tp)
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_join_leaves_the_process_free_to_join_its_next_group(tmp_path: Path) -> None:
+    """A join whose peers never come fails after its timeout, and this process then leads a new group with a fresh
+    worker (torch.distributed names groups by a count a failed join would leave raised: the two ranks would look
+    for each other under different keys and wait until their timeout)."""
+    with pytest.raises(Exception, match=r"(?i)time.?out"):
+        init_tensor_parallel(0, 2, f"file://{tmp_path / 'deserted'}", torch.device("cpu"), timedelta(seconds=1))
+    assert not torch.distributed.is_initialized()
+    init_method = f"file://{tmp_path / 'rendezvous'}"
+    worker = mp.get_context("forkserver").Process(target=_second_rank, args=(1, init_method))
+    worker.start()
+    tp = init_tensor_parallel(0, 2, init_method, torch.device("cpu"), timeout=timedelta(seconds=60))
+    try:
+        assert torch.equal(tp.all_reduce_sum(torch.ones(3)), torch.full((3,), 2.0))
+    finally:
+        destroy_tensor_parallel(tp)
+        worker.join(30)
+    assert worker.exitcode == 0
 
 
 def test_at_size_one_every_layer_is_the_unsharded_op_bitwise() -> None:
