@@ -18,7 +18,7 @@ Architecture = Literal[
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
     "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n",
     "deepseek_v4", "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo", "recurrent_gemma", "jetmoe",
-    "dory", "zamba2", "bert",
+    "dory", "zamba2", "qwen4_exp", "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
@@ -138,6 +138,61 @@ class BlockSparse:
 
 
 @dataclass(frozen=True)
+class Qwen4Exp:
+    """Qwen4-Exp's parts beside Qwen3.5's (`models.qwen4_exp`).
+
+    Hyper-connections (`layers.gated_residual`): `streams` copies of the hidden state, each block reading their
+    gated mix (a low-rank map of `rank`) and adding its output to each stream by a weight of its own.
+
+    QSA (`layers.qsa_attention`) on `qsa_layers`: an indexer of `index_heads` query heads and one key head,
+    `index_head_dim` wide, scores blocks of `compress_ratio` consecutive keys (their raw keys averaged, normed, turned
+    by rope at the block's first position) and keeps the `budget / compress_ratio` best complete blocks beside the
+    incomplete one's positions; each token's raw index key is one more head of the layer's cache rows.
+
+    Per-layer n-gram embeddings (`layers.ngram_embedding`) on `ngram_layers` (linear-attention layers): each token's
+    2- to `ngram_size`-grams hashed into `heads_per_ngram` tables each (`ngram_vocab_base` and up, `ngram_seed`), a
+    gated value per stream, a convolution of `ngram_conv_kernel` taps `ngram_size` apart; `eos_token_id` ends an
+    n-gram's context."""
+
+    streams: int
+    rank: int
+    qsa_layers: tuple[int, ...]
+    index_heads: int
+    index_head_dim: int
+    budget: int
+    compress_ratio: int
+    ngram_layers: tuple[int, ...] = ()
+    ngram_embed_dim: int = 0
+    ngram_conv_kernel: int = 4
+    ngram_size: int = 3
+    heads_per_ngram: int = 8
+    ngram_vocab_base: int = 20_000_000
+    ngram_vocab_divisor: int = 128
+    ngram_seed: int = 1234
+    ngram_parts: int = 1
+    eos_token_id: int = 0
+
+    @property
+    def block_topk(self) -> int:
+        """Complete blocks a query keeps at most."""
+        return self.budget // self.compress_ratio
+
+    @property
+    def dense_positions(self) -> int:
+        """The sequence length up to which every query keeps every earlier position (its complete blocks are at
+        most `block_topk`)."""
+        return self.budget + self.compress_ratio - 1
+
+    def ngram_state_size(self, hidden_size: int) -> int:
+        """Float32 values of a sequence's n-gram state in one layer: the convolution's last inputs (`(taps - 1) *
+        ngram_size` rows of `streams * hidden_size`), then the last `ngram_size - 1` token ids; 0 without n-grams."""
+        if not self.ngram_layers:
+            return 0
+        history = (self.ngram_conv_kernel - 1) * self.ngram_size
+        return history * self.streams * hidden_size + self.ngram_size - 1
+
+
+@dataclass(frozen=True)
 class CompressedAttention:
     """DeepSeek-V4's attention (`layers.compressed_attention`): one shared key-value head of `head_dim` (keys are
     values), rope over its last `rope_dim` dims in interleaved pairs, each query attending over the last `window`
@@ -214,6 +269,9 @@ class LinearAttention:
     kimi_delta: bool = False
     full_rank_gates: bool = False
     decay_bound: float = 0.0
+    # Qwen4-Exp: float32 values each layer's state row holds after the layer's own (its per-layer n-gram
+    # embeddings' convolution and token context, `Qwen4Exp.ngram_state_size`; kept on every linear layer).
+    extra_state: int = 0
 
     @property
     def key_dim(self) -> int:
@@ -229,9 +287,15 @@ class LinearAttention:
         return 2 * self.key_dim + self.value_dim
 
     @property
-    def state_size(self) -> int:
-        """Float32 values one sequence's state holds in one layer: the convolution's inputs, then the matrices."""
+    def own_state_size(self) -> int:
+        """Float32 values of one sequence's state in one layer that the rule itself reads: the convolution's
+        inputs, then the matrices."""
         return self.conv_dim * (self.conv_kernel - 1) + self.num_value_heads * self.key_head_dim * self.value_head_dim
+
+    @property
+    def state_size(self) -> int:
+        """Float32 values one sequence's state holds in one layer: `own_state_size`, then `extra_state`."""
+        return self.own_state_size + self.extra_state
 
     def sharded(self, size: int) -> LinearAttention:
         """One rank's share under tensor parallelism over `size` ranks: its block of the key heads and of the value
@@ -752,6 +816,8 @@ class ModelConfig:
     clamped_mlps: bool = False
     # MiniMax-M3: block-sparse attention on some layers (`BlockSparse`; None: dense attention everywhere).
     block_sparse: BlockSparse | None = None
+    # Qwen4-Exp: hyper-connections, QSA indexed attention and per-layer n-gram embeddings (`Qwen4Exp`).
+    qwen4_exp: Qwen4Exp | None = None
     # A.X K1: an RMSNorm over each sparse layer's MoE output (routed and shared experts: `mlp.post_mlp_layernorm`).
     moe_output_norm: bool = False
     # Sliding-window attention (Mistral, Mixtral, Phi-3, Qwen's `use_sliding_window`, Gemma 2/3): layer i's token at
@@ -867,7 +933,10 @@ class ModelConfig:
 
     def layer_index_heads(self, index: int) -> int:
         """The heads layer `index` keeps in the paged cache beside its KV heads, on every rank: 1 on a MiniMax-M3
-        block-sparse layer, whose key half holds each token's index key (`BlockSparse`), else 0."""
+        block-sparse layer or a Qwen4-Exp QSA layer, whose key half holds each token's index key (`BlockSparse`,
+        `Qwen4Exp`), else 0."""
+        if self.qwen4_exp is not None:
+            return int(index in self.qwen4_exp.qsa_layers)
         return int(self.block_sparse is not None and index in self.block_sparse.layers)
 
     def layer_q_heads(self, index: int) -> int:

@@ -40,6 +40,7 @@ from engine_server.hf_longcat import LONGCAT_ARCHITECTURES, longcat_config, long
 from engine_server.hf_mamba import MAMBA_ARCHITECTURES, mamba_config, mamba_fields
 from engine_server.hf_minimax import MINIMAX_ARCHITECTURES, minimax_config, minimax_fields
 from engine_server.hf_minimax_m3 import MINIMAX_M3_ARCHITECTURES, minimax_m3_config, minimax_m3_fields
+from engine_server.hf_qwen4_exp import QWEN4_EXP_ARCHITECTURES, qwen4_exp_config, qwen4_exp_fields
 from engine_server.hf_recurrent_gemma import (
     RECURRENT_GEMMA_ARCHITECTURES,
     recurrent_gemma_config,
@@ -229,6 +230,8 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     # MiniMax-M3: Gemma-normed grouped-query attention, block-sparse on some layers, over clamped-SwiGLU experts
     # beside a shared one or dense MLPs (`hf_minimax_m3`); a multimodal checkpoint's text model
     **MINIMAX_M3_ARCHITECTURES,
+    # Qwen4-Exp: Qwen3.5-MoE's hybrid over hyper-connected streams, QSA attention, n-gram embeddings (`hf_qwen4_exp`)
+    **QWEN4_EXP_ARCHITECTURES,
     # Beam: sandwich norms with depth-scaled residual adds, gated heads, windowed rope layers and NoPE full ones whose
     # queries scale by position, DeepSeek-V3's grouped routing (`hf_beam`)
     **BEAM_ARCHITECTURES,
@@ -257,10 +260,6 @@ _ASSISTANTS = ("gemma4_assistant", "gemma4_unified_assistant")
 # Families people ask for that this engine does not serve yet, and what it lacks for them: the refusal says so.
 _NOT_YET: dict[str, str] = {
     "gemma3": "the multimodal Gemma 3's vision tower is not implemented; its text model (gemma3_text) is served",
-    "qwen4_exp_text": "its QSA indexed attention, hashed n-gram per-layer embeddings and low-rank hyper-connections "
-    "are not implemented yet (Qwen3.5's Gated DeltaNet is served)",
-    "qwen4_exp": "its text model's QSA indexed attention, hashed n-gram per-layer embeddings and low-rank "
-    "hyper-connections are not implemented yet",
     "kolibri1_1": "its pooled indexed attention over shared K/V is not implemented yet (Kolibri-1 is served)",
     "zamba": "its shared attention block is not implemented yet (Zamba2's are)",
 }
@@ -268,7 +267,7 @@ _NOT_YET: dict[str, str] = {
 _QK_NORM_FAMILIES: tuple[Architecture, ...] = (
     "qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4", "gemma3n", "minimax_m2", "lfm2",
     "hunyuan", "apertus", "afmoe", "nanochat", "olmo_hybrid", "minimax_m3",
-    "beam", "ergo",
+    "beam", "ergo", "qwen4_exp",
 )  # fmt: skip
 # The classic families whose q/k/v a config may clamp (`clip_qkv`; OLMoE's and DBRX's are their architectures').
 _CLIPS_QKV = ("olmo", "mpt")
@@ -336,6 +335,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     cfg = longcat_config(model_type, cfg)
     cfg = minimax_config(model_type, cfg)
     cfg = minimax_m3_config(model_type, cfg)
+    cfg = qwen4_exp_config(model_type, cfg)
     cfg = beam_config(model_type, cfg)
     cfg = ergo_config(model_type, cfg)
     cfg = dory_config(model_type, cfg)
@@ -378,6 +378,8 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         rope_type = "default"  # a sequence past max_position_embeddings alone, which the engine does not serve
     scaling: RopeScaling | LongRope | Yarn | None = None
     hybrid = _hybrid_fields(arch, cfg)
+    if arch == "qwen4_exp":  # its hyper-connections, QSA and n-gram embeddings; its linear layers' states hold them
+        hybrid = qwen4_exp_fields(cfg, hybrid)
     # Qwen3-Next's rope turns a quarter of each head by default, GLM-4's and GLM-4.5's half (Solar Open's,
     # K-EXAONE's and Hy3's, in GLM-4.5's layout, all of it)
     halved = arch in ("glm4", "glm4_moe") and model_type not in _WHOLE_ROPE_GLM4_MOE
@@ -831,7 +833,7 @@ def _hybrid_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
         return _olmo_hybrid_fields(cfg)
     if cfg.get("model_type") in ("kimi_linear", "bailing_hybrid"):
         return _kimi_linear_fields(cfg)
-    if arch != "qwen3_next":
+    if arch not in ("qwen3_next", "qwen4_exp"):
         return {}
     layers, lara = int(cfg["num_hidden_layers"]), cfg.get("model_type") == "lara_mini"
     types = _lara_mini_layer_types(cfg) if lara else cfg.get("layer_types")
@@ -2073,8 +2075,8 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
     `norm_topk_prob` says; gpt-oss softmaxes the top-k logits (the same weights), with biases and its clamped
     SwiGLU."""
     if arch not in (
-        "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next", "llama4", "glm4_moe",
-        "minimax_m2", "ernie4_5_moe", "lfm2", "granitemoe", "hunyuan", "afmoe", "cohere", "jamba", "dbrx",
+        "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next", "qwen4_exp", "llama4",
+        "glm4_moe", "minimax_m2", "ernie4_5_moe", "lfm2", "granitemoe", "hunyuan", "afmoe", "cohere", "jamba", "dbrx",
     ):  # fmt: skip
         return {}
     if arch == "hunyuan":
@@ -2220,9 +2222,9 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
         num_experts_per_tok=top_k,
         moe_intermediate_size=int(cfg["moe_intermediate_size"]),
         # Qwen3.5's MoE router always renormalises (its config has no norm_topk_prob).
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", arch == "qwen3_next")),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", arch in ("qwen3_next", "qwen4_exp"))),
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
-        if arch in ("qwen2_moe", "qwen3_next")
+        if arch in ("qwen2_moe", "qwen3_next", "qwen4_exp")
         else 0,
         shared_expert_gated=cfg.get("model_type") != "lara_mini",  # (Lara Mini's is added whole)
         dense_layers=tuple(i for i in range(layers) if i in only_mlp or (i + 1) % step != 0),

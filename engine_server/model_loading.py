@@ -211,6 +211,8 @@ def refuse_unserved(source: ModelSource, config: EngineConfig) -> None:
             raise ValueError(f"MiniMax-M3's {index_heads} index heads do not split over {size} tensor-parallel ranks")
         if config.lora is not None:
             raise ValueError("LoRA adapters are not applied to MiniMax-M3's block-sparse attention yet")
+    if model.qwen4_exp is not None and config.lora is not None:  # (its blocks read the hyper-connected streams)
+        raise ValueError("LoRA adapters are not applied to Qwen4-Exp yet")
     if model.shared_blocks is not None and config.lora is not None:  # (its blocks have adapters of their own)
         raise ValueError("LoRA adapters are not applied to Zamba2's shared blocks yet")
     if model.looped_ngpt is not None:  # its norms span every head and the MLP's width; its blocks are its own
@@ -400,6 +402,10 @@ def _captures_decode_graphs(loaded: LoadedModel, config: EngineConfig) -> bool:
     if loaded.model_config.block_sparse is not None:
         # Its sparse layers choose between the kernels' attention and their own, which walks each sequence.
         log.warning("a model with block-sparse attention (MiniMax-M3) decodes eagerly: no CUDA graphs yet")
+        return False
+    if loaded.model_config.qwen4_exp is not None:
+        # Its QSA layers choose between the kernels' attention and their own, its n-gram layers walk each sequence.
+        log.warning("Qwen4-Exp decodes eagerly: no CUDA graphs yet")
         return False
     if loaded.model_config.compressed_attention is not None:
         # Its layers walk each sequence, and pool the windows a step closes, from host lists.

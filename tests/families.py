@@ -627,6 +627,20 @@ HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
          "shared_expert_intermediate_size": 64, "mlp_only_layers": [0]},
     ),
     "lfm2": ("Lfm2Config", {"layer_types": ["conv"] * 3 + ["full_attention"], "pad_token_id": 0}),
+    # Qwen4-Exp: Qwen3.5-MoE's layers over 4 hyper-connected streams (rank-24 maps), n-gram embeddings (2- and
+    # 3-grams, 2 hash heads each, tables of primes from 97 on, saved in 4 shards) before the first and third linear
+    # layers, QSA on the last (2 index heads of 16, blocks of 4 positions, the best 2 kept: prompts past 11 tokens
+    # attend sparsely), rope over half of each head; the tokenizer's end of sequence (2) ends an n-gram's context.
+    "qwen4-exp": (
+        "Qwen4ExpTextConfig",
+        {**LINEAR_ATTENTION, "layer_types": ["linear_attention"] * 3 + ["indexed_attention"], "num_experts": 8,
+         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+         "hc_count": 4, "hc_lowrank": 24, "ple_layer_ids": [1, 3], "ple_embed_dim": 32, "ngram_size": 3,
+         "heads_per_ngram": 2, "ngram_vocab_size_base": 97, "make_ngram_vocab_size_divisible_by": 8,
+         "split_ngram_parts": 4, "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
+         "indexer_budget": 8, "indexer_compress_ratio": 4, "eos_token_id": 2,
+         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+    ),
     # MiniMax-01: lightning attention (four heads of 16, blocks of 16 tokens) on three layers, softmax attention on the
     # last; its blocks' residuals normalised and scaled (MiniMax-Text-01's alphas); top-2 of 4 experts.
     "minimax": (

@@ -165,20 +165,30 @@ class BlockSparseAttention(PagedSelfAttention):
     def _attend(
         self, q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor, kept: torch.Tensor
     ) -> torch.Tensor:
-        """q `[Q, heads, D]` over its sequence's keys and values (its block `table` of `kv_cache`), each head over the
-        positions its index head keeps (`kept`, `[index_heads, Q, S]`, -1 for none), those rows alone gathered:
-        `[Q, heads, D]`, the softmax in float32 (transformers' eager attention)."""
-        heads = torch.arange(self.num_heads, device=q.device)
-        positions = kept.index_select(0, heads // self.index_group)  # [heads, Q, S]
-        picked = positions.clamp(min=0)
-        block = kv_cache.shape[2]
-        slots = table[picked // block] * block + picked % block
-        kv_heads = (heads // self.group)[:, None, None].expand_as(slots)
-        flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-        chosen_keys, chosen_values = flat[0, slots, kv_heads], flat[1, slots, kv_heads]  # [heads, Q, S, row]
-        if is_fp8_kv_cache(kv_cache):
-            chosen_keys, chosen_values = fp8_kv_values(chosen_keys, q.dtype), fp8_kv_values(chosen_values, q.dtype)
-        scores = torch.matmul(q.transpose(0, 1).unsqueeze(2), chosen_keys.transpose(-1, -2)).squeeze(2) * self.scale
-        scores = scores.masked_fill(positions < 0, float("-inf"))  # [heads, Q, S]
-        weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        return torch.matmul(weights.unsqueeze(2), chosen_values).squeeze(2).transpose(0, 1)
+        """q `[Q, heads, D]` over its sequence's positions each index head keeps (`kept`, `[index_heads, Q, S]`):
+        `attend_positions`."""
+        return attend_positions(q, kv_cache, table, kept, self.group, self.index_group, self.scale)
+
+
+def attend_positions(
+    q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor, kept: torch.Tensor, group: int, index_group: int,
+    scale: float,
+) -> torch.Tensor:
+    """q `[Q, heads, D]` over its sequence's keys and values (its block `table` of `kv_cache`), each head over the
+    positions its index head keeps (`kept`, `[index_heads, Q, S]`, -1 for none; head h reads index head
+    `h // index_group` and KV head `h // group`), those rows alone gathered: `[Q, heads, D]`, the softmax in float32
+    (transformers' eager attention)."""
+    heads = torch.arange(q.shape[1], device=q.device)
+    positions = kept.index_select(0, heads // index_group)  # [heads, Q, S]
+    picked = positions.clamp(min=0)
+    block = kv_cache.shape[2]
+    slots = table[picked // block] * block + picked % block
+    kv_heads = (heads // group)[:, None, None].expand_as(slots)
+    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    chosen_keys, chosen_values = flat[0, slots, kv_heads], flat[1, slots, kv_heads]  # [heads, Q, S, row]
+    if is_fp8_kv_cache(kv_cache):
+        chosen_keys, chosen_values = fp8_kv_values(chosen_keys, q.dtype), fp8_kv_values(chosen_values, q.dtype)
+    scores = torch.matmul(q.transpose(0, 1).unsqueeze(2), chosen_keys.transpose(-1, -2)).squeeze(2) * scale
+    scores = scores.masked_fill(positions < 0, float("-inf"))  # [heads, Q, S]
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(weights.unsqueeze(2), chosen_values).squeeze(2).transpose(0, 1)

@@ -26,6 +26,7 @@ from engine_server.layers.mla import MultiLatentAttention
 from engine_server.layers.mlp import GatedMLP, UngatedMLP, clamped_swiglu_args
 from engine_server.layers.moe import SparseMoE
 from engine_server.layers.norm import BiasedLayerNorm, GatedRMSNorm, RMSNorm, norm_class
+from engine_server.layers.qsa_attention import QsaAttention
 from engine_server.layers.rg_lru import RecurrentBlock
 from engine_server.layers.short_conv import ShortConv
 from engine_server.lora.slots import LayerLora, LoraBatch, LoraSlots
@@ -65,6 +66,7 @@ class DecoderLayer(nn.Module):
             | LightningAttention
             | RecurrentBlock
             | MixtureOfAttention
+            | QsaAttention
         ) = (
             (KimiDeltaAttention if config.linear_attention.kimi_delta else GatedDeltaNet)(config, dtype, tp)
             if config.is_linear_layer(index) and config.linear_attention is not None
@@ -84,6 +86,8 @@ class DecoderLayer(nn.Module):
             if config.compressed_attention is not None
             else BlockSparseAttention(config, dtype, tp, index)
             if config.block_sparse is not None and index in config.block_sparse.layers
+            else QsaAttention(config, dtype, tp, index)
+            if config.qwen4_exp is not None
             else MixtureOfAttention(config, dtype)
             if config.mixture_of_attention
             else PagedSelfAttention(

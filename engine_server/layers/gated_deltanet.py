@@ -198,13 +198,27 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """hidden `[T, hidden]` -> `[T, hidden]`; advances each sequence's state in `state` (its row
         `meta.state_slots[i]`) by its chunk. `positions`, `cos_sin_cache` and `lora` are not read."""
+        return advance_states(
+            meta, state, "linear attention", lambda slots, fresh: self.advance(hidden, state, slots, fresh, meta, ops)
+        )
+
+    def advance(
+        self,
+        hidden: torch.Tensor,
+        state: torch.Tensor,
+        slots: list[int],
+        fresh: list[bool],
+        meta: AttentionMetadata,
+        ops: KernelOps,
+    ) -> torch.Tensor:
+        """`forward`'s step inside `advance_states` (whose caller copies the snapshots around it): sequence i's
+        state is row `slots[i]` of `state` (its first `LinearAttention.own_state_size` values), zeroed first where
+        `fresh[i]`."""
         mixed, z, b, a = self.in_proj(hidden).split(self.sizes, dim=-1)
-        core = advance_states(
-            meta, state, "linear attention",
-            lambda slots, fresh: ops.gated_delta_net(
-                mixed, z, a, b, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
-                self.shape.num_key_heads, state, slots, meta.query_lens_cpu, fresh, self.shape.beta_scale,
-            ),
+        own = state if not self.shape.extra_state else state[:, : self.shape.own_state_size]
+        core = ops.gated_delta_net(
+            mixed, z, a, b, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
+            self.shape.num_key_heads, own, slots, meta.query_lens_cpu, fresh, self.shape.beta_scale,
         )  # fmt: skip
         result: torch.Tensor = self.tp.all_reduce_sum(self.out_proj(core))
         return result

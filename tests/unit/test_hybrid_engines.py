@@ -219,7 +219,7 @@ def test_the_quality_benchmarks_reading_of_sequences_equals_transformers_logits(
 @pytest.mark.parametrize(
     "family",
     ["qwen3-next", "lfm2", "granite4-h", "nemotron-h", "nemotron-h-moe", "falcon-h1", "jamba", "lfm3", "olmo-hybrid",
-     "lara-mini", "falcon-mamba", "mamba2", "minimax", "recurrent-gemma", "zamba2"],
+     "lara-mini", "falcon-mamba", "mamba2", "minimax", "recurrent-gemma", "zamba2", "qwen4-exp"],
 )
 def test_the_quantized_path_is_batch_invariant(tmp_path: Path, family: str) -> None:
     """int8 weights (the experts in the C++ expert kernel, the linear layers' core in the C++ kernel, every

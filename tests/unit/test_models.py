@@ -50,6 +50,17 @@ LINEAR_ATTENTION = {
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
     "layer_types": ["linear_attention", "full_attention"],
 }  # fmt: skip
+# Qwen4-Exp's small shape (tests/families.py's engines run it too).
+QWEN4_EXP: dict[str, Any] = {
+    "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 8, "layer_types": ["linear_attention", "indexed_attention"], "num_experts": 8,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "hc_count": 4,
+    "hc_lowrank": 24, "ple_layer_ids": [1], "ple_embed_dim": 32, "ngram_size": 3, "heads_per_ngram": 2,
+    "ngram_vocab_size_base": 97, "make_ngram_vocab_size_divisible_by": 8, "split_ngram_parts": 4,
+    "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 4,
+    "indexer_compress_ratio": 2, "eos_token_id": 2, "pad_token_id": 0,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+}  # fmt: skip
 # Top-2 of 8 experts beside a gated shared expert (Qwen3-Next's and Qwen3.5-MoE's MLP).
 HYBRID_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                   "shared_expert_intermediate_size": 48}  # fmt: skip
@@ -793,6 +804,11 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         transformers.Qwen3_5MoeTextConfig,
         {"head_dim": 16, **LINEAR_ATTENTION, **HYBRID_EXPERTS},
     ),
+    # Qwen4-Exp: Qwen3.5-MoE's hybrid over 4 hyper-connected streams (a rank-24 map each), n-gram embeddings (2-
+    # and 3-grams, 2 hash heads each, tables of primes from 97 on) before the linear layer, QSA on the attention layer
+    # (2 index heads of 16, blocks of 2 positions, the best 2 kept: sequences past 5 positions attend sparsely),
+    # rope over half of each head.
+    "qwen4-exp": (transformers.Qwen4ExpTextConfig, QWEN4_EXP),
     # LFM2: gated short convolutions (3 taps) on the first and last layers, attention with per-head q/k norms between.
     "lfm2": (transformers.Lfm2Config, {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"],
                                        "pad_token_id": 0}),
@@ -1054,6 +1070,7 @@ MODEL_CLASSES = {
     transformers.Qwen3_5TextConfig: transformers.Qwen3_5ForCausalLM,
     transformers.Qwen3NextConfig: transformers.Qwen3NextForCausalLM,
     transformers.Qwen3_5MoeTextConfig: transformers.Qwen3_5MoeForCausalLM,
+    transformers.Qwen4ExpTextConfig: transformers.Qwen4ExpForCausalLM,
     transformers.Gemma4TextConfig: transformers.Gemma4ForCausalLM,
     transformers.Gemma4UnifiedTextConfig: transformers.Gemma4UnifiedForCausalLM,
     transformers.Gemma3nTextConfig: transformers.Gemma3nForCausalLM,
@@ -1102,6 +1119,8 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
                 param.normal_(0.0, 1.0)
             elif name.endswith("position_bias"):  # DeepSeek-V4's compressors' (zeros at init)
                 param.normal_(0.0, 1.0)
+            elif name.endswith("ple.conv1d.weight"):  # Qwen4-Exp's n-gram convolution (zeros at init)
+                param.normal_(0.0, 0.5)
             elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # Apertus's xIELU, one value per layer
                 param.add_(torch.randn_like(param) * 0.5)
             elif name.endswith(NGPT_SCALES):  # Dory's learned scales (constants at init): one per channel each,
