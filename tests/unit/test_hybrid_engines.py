@@ -313,6 +313,40 @@ def test_a_multimodal_qwen35_checkpoint_serves_its_text_model(tmp_path: Path) ->
         assert ours == theirs.of(ours)
 
 
+def test_a_multimodal_qwen4_exp_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
+    """A Qwen4-Exp checkpoint as `Qwen4ExpForConditionalGeneration` saves it: a `text_config` whose attention layers
+    are named `full_attention` (as the released config names its indexed ones), the text model's weights under
+    `model.language_model.` (each layer's n-gram table in 4 shards), a vision tower beside them, not read. Its text
+    output equals transformers' own multimodal model's; a checkpoint whose hash constants are not its config's is
+    refused."""
+    import transformers
+
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "num_position_embeddings": 64}  # fmt: skip
+    text = {**_SHAPE, **HYBRIDS["qwen4-exp"][1]}
+    text["layer_types"] = ["full_attention" if kind == "indexed_attention" else kind for kind in text["layer_types"]]
+    config = transformers.Qwen4ExpConfig(text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    model = transformers.Qwen4ExpForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() > 1 and "visual" not in name:
+                parameter.normal_(0.0, 0.08)
+    model.save_pretrained(tmp_path)
+    copy_tokenizer(tmp_path)
+    batch = prompts()[:4]
+    theirs = GreedyReference(model, batch, NUM_TOKENS)
+    with engine(tmp_path) as llm:
+        assert llm.core.model_config.architecture == "qwen4_exp"
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved["text_config"]["seed"] = 99  # other multipliers than the checkpoint's
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"layer_multipliers .* are not the config's"):
+        engine(tmp_path)
+
+
 def test_a_dummy_hybrid_equals_transformers_holding_its_weights() -> None:
     """`dummy:qwen3.5-tiny`: seeded random weights in Qwen3.5's checkpoint layout, served by the engine, and the
     same weights in transformers' Qwen3.5 (`benchmarks.common.hf_model`, the benchmarks' peer)."""

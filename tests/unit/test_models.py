@@ -1290,6 +1290,41 @@ def test_alibi_biases_match_transformers_far_into_a_sequence(family: str) -> Non
     torch.testing.assert_close(got, hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
 
 
+def test_qwen4_exp_n_gram_contexts_end_at_end_of_sequence_tokens_and_qsa_keeps_its_blocks_far_in() -> None:
+    """Qwen4-Exp (`QWEN4_EXP`) on a 60-token sequence with end-of-sequence tokens (2) inside it, one right after
+    another too: each token's n-grams read EOS for every position at or before the last EOS before it, also across
+    a chunk boundary (its context carried in the state), and its QSA layer keeps 2 of up to 30 complete blocks."""
+    hf, ours = build_pair("qwen4-exp")
+    tokens = random_tokens(60, 21)
+    for at in (5, 17, 18, 30, 44):
+        tokens[at] = 2
+    whole = hf_logits(hf, tokens)
+    torch.testing.assert_close(PagedRunner(ours).step([(0, tokens)]), whole, atol=1e-4, rtol=1e-4)
+    runner = PagedRunner(ours)
+    pieces = [runner.step([(1, tokens[start:end])]) for start, end in ((0, 18), (18, 19), (19, 31), (31, 60))]
+    torch.testing.assert_close(torch.cat(pieces), whole, atol=1e-4, rtol=1e-4)
+
+
+def test_qwen4_exp_configs_read_as_transformers_fills_them_in() -> None:
+    """transformers' defaults (every fourth layer QSA, no n-gram layers, 4 streams of rank 320) with rope over a
+    quarter of each head (its index heads must hold rope's dims), and a config with n-gram layers (one-based ids;
+    their convolution's 9 rows of the streams and 2 token ids grow every linear layer's state)."""
+    plain = model_config_from_hf(transformers.Qwen4ExpTextConfig(
+        indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=2048,
+        indexer_compress_ratio=64, rope_parameters={"rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    ).to_dict())  # fmt: skip
+    spec, linear = plain.qwen4_exp, plain.linear_attention
+    assert spec is not None and linear is not None and plain.architecture == "qwen4_exp"
+    assert spec.qsa_layers == tuple(range(3, 40, 4)) and spec.ngram_layers == ()
+    assert (spec.streams, spec.rank) == (4, 320)
+    assert plain.rotary_dim == 64 and linear.extra_state == 0 and spec.dense_positions == 2048 + 63
+    assert plain.layer_index_heads(3) == 1 and plain.layer_index_heads(2) == 0
+    grams = model_config_from_hf({**SMALL, **QWEN4_EXP, "model_type": "qwen4_exp_text"})
+    assert grams.qwen4_exp is not None and grams.linear_attention is not None
+    assert grams.qwen4_exp.ngram_layers == (0,) and grams.linear_attention.extra_state == 9 * 4 * 64 + 2
+    assert grams.linear_attention.state_size == grams.linear_attention.own_state_size + 9 * 4 * 64 + 2
+
+
 def test_registry_and_cache_size() -> None:
     config = model_config_from_hf(transformers.LlamaConfig(**SMALL).to_dict())
     assert get_model_class("llama").__name__ == "LlamaForCausalLM"
@@ -1745,7 +1780,13 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "mpt", "no_bias": False}, "mpt with no_bias false"),
         ({"model_type": "bloom", "apply_residual_connection_post_layernorm": True},
          "bloom with apply_residual_connection_post_layernorm is not supported"),
-        ({"model_type": "qwen4_exp_text"}, r"QSA indexed attention, hashed n-gram per-layer embeddings"),
+        ({"model_type": "qwen4_exp_text", "layer_types": ["linear_attention", "indexed_attention"]},
+         r"qwen4_exp: QSA needs indexer_n_heads"),
+        ({**QWEN4_EXP, "model_type": "qwen4_exp_text", "output_gate_type": "sigmoid"},
+         "linear attention's output gate 'sigmoid' is not served"),
+        ({**QWEN4_EXP, "model_type": "qwen4_exp_text", "indexer_budget": 5}, "budget 5 must be a positive multiple"),
+        ({**QWEN4_EXP, "model_type": "qwen4_exp_text", "ple_layer_ids": [2]},
+         r"n-gram embeddings on layers \(1,\) \(zero-based\) need linear attention"),
     ],
 )
 def test_unserved_models_are_refused_saying_why(config: dict[str, Any], message: str) -> None:
