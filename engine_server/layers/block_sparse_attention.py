@@ -11,11 +11,12 @@ same way.
 
 Each token's index key is one more head of the layer's cache rows, after its KV heads, in the key half (zero-padded
 to `head_dim`; the value half's row is zeros), so prefix caching, preemption and swapping keep it as they keep K/V.
-A step whose every sequence is at most `BlockSparse.dense_positions` long attends densely through the kernel set's
-paged attention (the indexer would keep every block), with one more group of all-zero queries for the index head,
-whose output is dropped; otherwise the step attends here in torch, sequence by sequence, its queries in chunks whose
-scores stay under `_CHUNK_BYTES`: the index scores read every index key, the attention gathers the kept positions'
-keys and values alone from the cache (at most `topk_blocks * block_size` a head).
+A sequence at most `BlockSparse.dense_positions` long attends densely through the kernel set's paged attention (the
+indexer would keep every block), with one more group of all-zero queries for the index head, whose output is
+dropped; a longer one attends here in torch, sequence by sequence (each sequence's own choice, so its bits do not
+depend on its batch: a step of both kinds runs the kernel over all and replaces the long ones' rows), its queries
+in chunks whose scores stay under `_CHUNK_BYTES`: the index scores read every index key, the attention gathers the
+kept positions' keys and values alone from the cache (at most `topk_blocks * block_size` a head).
 """
 
 from __future__ import annotations
@@ -103,25 +104,37 @@ class BlockSparseAttention(PagedSelfAttention):
         keys = torch.cat((k, index_row), dim=1)
         values = torch.cat((v, torch.zeros_like(index_row)), dim=1)
         ops.write_kv_cache(keys, values, kv_cache, meta.slot_mapping)
-        if meta.max_seq_len <= self.spec.dense_positions:  # every block kept: the kernels' attention
+        long = [seq_len > self.spec.dense_positions for seq_len in meta.seq_lens_cpu]
+        if all(long):
+            out = torch.empty_like(q)
+        else:  # a short sequence keeps every block: the kernels' attention (for the long ones too, replaced)
             padded = torch.cat((q, q.new_zeros(tokens, self.group, self.head_dim)), dim=1)
             out = ops.paged_attention(padded, kv_cache, meta, self.scale, 0, 0.0, None)[:, : self.num_heads]
-        else:
-            out = self._attend_blocks(q, index_q, kv_cache, meta)
+        if any(long):
+            self._attend_blocks(out, q, index_q, kv_cache, meta, long)
         return self._project(out.reshape(tokens, self.q_size), ops, lora)
 
     def _attend_blocks(
-        self, q: torch.Tensor, index_q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """Each token's attention `[T, heads, head_dim]` over the blocks its indexer keeps, sequence by sequence: the
-        index scores read every index key of the sequence from the cache, the attention only the keys and values
-        of the kept positions (at most `topk_blocks * block_size` a head)."""
-        out = torch.empty_like(q)
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        index_q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        long: list[bool],
+    ) -> None:
+        """Into `out` `[T, heads, head_dim]`: the attention of each token of the `long` sequences over the blocks its
+        indexer keeps, sequence by sequence: the index scores read every index key of the sequence from the cache,
+        the attention only the keys and values of the kept positions (at most `topk_blocks * block_size` a head).
+        (A sequence's path is its own length's choice, whatever its batch: its bits are the same alone and
+        batched.)"""
         cache_block = kv_cache.shape[2]
-        kept_keys = min(self.spec.topk_blocks, 1 + (max(meta.seq_lens_cpu) - 1) // self.spec.block_size)
-        kept_keys *= self.spec.block_size
         start = 0
         for row, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+            if not long[row]:
+                start += query_len
+                continue
+            kept_keys = min(self.spec.topk_blocks, 1 + (seq_len - 1) // self.spec.block_size) * self.spec.block_size
             table = meta.block_tables[row, : -(-seq_len // cache_block)].long()
             index_rows = kv_cache[0, table, :, self.num_kv_heads]  # [blocks, block_size, row]: the index head's
             if is_fp8_kv_cache(kv_cache):
@@ -136,7 +149,6 @@ class BlockSparseAttention(PagedSelfAttention):
                 kept = self._kept_positions(index_q[chunk], index_keys, positions)
                 out[chunk] = self._attend(q[chunk], kv_cache, table, kept)
             start += query_len
-        return out
 
     def _kept_positions(
         self, index_q: torch.Tensor, index_keys: torch.Tensor, positions: torch.Tensor
