@@ -6,7 +6,7 @@ attend over earlier layers' K/V in the same kernels; Mamba-2 and Falcon Mamba al
 attention (torch, sequence by sequence, on the device), LongCat-Flash's paired blocks and shortcut experts, MiniMax-01's
 lightning attention in its block form (the CPU runs it token by token); BLOOM's and MPT's ALiBi (torch, decoded
 eagerly), Dory's unrolled passes in the Triton kernels under CUDA graphs, Zamba2's shared blocks between Mamba-2
-layers.
+layers, Qwen4-Exp's streams, QSA attention (torch past its dense length) and n-gram layers (decoded eagerly).
 
 Skipped without CUDA. Small random models (tests/families.py) in float32: on their float path the GPU engine's greedy
 tokens equal transformers' alone, batched and prefilled 16 tokens a step (as the CPU engine's do,
@@ -40,7 +40,7 @@ def _engine(folder: Path, device: str, dtype: str = "float32", chunk: int = 2048
 @pytest.mark.parametrize(
     "family",
     ["qwen3.5", "qwen3-next", "gemma4", "mamba2", "falcon-mamba", "deepseek-v4", "longcat-flash", "minimax", "bloom",
-     "mpt", "dory", "zamba2"],
+     "mpt", "dory", "zamba2", "qwen4-exp"],
 )
 def test_the_float_path_on_the_gpu_equals_transformers(tmp_path: Path, family: str) -> None:
     folder = save_family(tmp_path / family, family)
