@@ -96,6 +96,9 @@ class AttentionMetadata:
     # Its groups of token rows (`layers.sparse_indexer._row_groups`), built by the first layer that asks for them and
     # read by the others: keyed by the work a row costs.
     sparse_groups: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    # Kolibri-1.1 (`layers.kolibri_attention`): each sequence's pool of keys (`[query_len, seq_len]` bool, None: every
+    # key) chosen by the step's latest pool layer, which its later indexed layers choose from; keyed by that layer.
+    index_pools: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
 
     @classmethod
     def build(

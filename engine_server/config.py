@@ -138,6 +138,37 @@ class BlockSparse:
 
 
 @dataclass(frozen=True)
+class KolibriIndex:
+    """Kolibri-1.1's indexed attention (`layers.kolibri_attention`) on `layers` (no rope; the rest windowed with rope).
+
+    A weightless indexer scores keys by the ReLU of the first `heads` query heads' logits against key head 0,
+    averaged over those heads, both rounded to NVFP4. A pool layer (`pool_layers`) picks each query's pool of
+    `pool_size` keys (every key for a short context, else the blocks of `compression` keys whose mean scores best);
+    every indexed layer attends over the `topk` best keys of its latest pool layer's pool beside the first `sinks`
+    and last `local` positions (every key where that many or fewer are visible), its keys and values rounded to
+    NVFP4. Layer i attends over the K/V of layer `kv_sources[i]` (itself, or an earlier indexed layer)."""
+
+    layers: tuple[int, ...]
+    pool_layers: tuple[int, ...]
+    kv_sources: tuple[int, ...]
+    topk: int
+    pool_size: int
+    compression: int
+    heads: int
+    local: int
+    sinks: int
+
+    @property
+    def budget(self) -> int:
+        """Keys a query attends over at most."""
+        return self.topk + self.local + self.sinks
+
+    def pool_layer(self, index: int) -> int:
+        """The pool layer whose pool indexed layer `index` chooses from: the latest at or before it."""
+        return max(layer for layer in self.pool_layers if layer <= index)
+
+
+@dataclass(frozen=True)
 class Qwen4Exp:
     """Qwen4-Exp's parts beside Qwen3.5's (`models.qwen4_exp`).
 
@@ -818,6 +849,8 @@ class ModelConfig:
     block_sparse: BlockSparse | None = None
     # Qwen4-Exp: hyper-connections, QSA indexed attention and per-layer n-gram embeddings (`Qwen4Exp`).
     qwen4_exp: Qwen4Exp | None = None
+    # Kolibri-1.1: weightless indexed attention over NVFP4 keys, some layers over an earlier one's K/V (`KolibriIndex`).
+    kolibri_index: KolibriIndex | None = None
     # A.X K1: an RMSNorm over each sparse layer's MoE output (routed and shared experts: `mlp.post_mlp_layernorm`).
     moe_output_norm: bool = False
     # Sliding-window attention (Mistral, Mixtral, Phi-3, Qwen's `use_sliding_window`, Gemma 2/3): layer i's token at
@@ -945,7 +978,10 @@ class ModelConfig:
         return self.layer_q_head_counts[index] if self.layer_q_head_counts else self.num_attention_heads
 
     def kv_source(self, index: int) -> int:
-        """The layer whose K/V layer `index` attends over: itself, unless it shares an earlier one's (Gemma 4)."""
+        """The layer whose K/V layer `index` attends over: itself, unless it shares an earlier one's (Gemma 4,
+        Kolibri-1.1)."""
+        if self.kolibri_index is not None:
+            return self.kolibri_index.kv_sources[index]
         return self.gemma4.kv_sources[index] if self.gemma4 is not None else index
 
     def qkv_parts(self, index: int) -> int:

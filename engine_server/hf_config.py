@@ -36,6 +36,7 @@ from engine_server.hf_ergo import ERGO_ARCHITECTURES, ergo_config, ergo_fields
 from engine_server.hf_gemma3n import gemma3n_config, gemma3n_fields
 from engine_server.hf_glm4_moe_kin import GLM4_MOE_KIN, glm4_moe_kin_config, glm4_moe_kin_fields
 from engine_server.hf_jetmoe import JETMOE_ARCHITECTURES, jetmoe_config, jetmoe_fields
+from engine_server.hf_kolibri1_1 import kolibri1_1_config, kolibri1_1_fields
 from engine_server.hf_longcat import LONGCAT_ARCHITECTURES, longcat_config, longcat_fields
 from engine_server.hf_mamba import MAMBA_ARCHITECTURES, mamba_config, mamba_fields
 from engine_server.hf_minimax import MINIMAX_ARCHITECTURES, minimax_config, minimax_fields
@@ -140,6 +141,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     # Kolibri-1 (Aleph Alpha): K-EXAONE's attention (per-head q/k norms, windows, NoPE on the full layers) in GLM-4's
     # sandwich, experts beside a shared one chosen by their logits plus a bias (`moe_choice_on_logits`)
     "kolibri1": "glm4_moe",
+    "kolibri1_1": "glm4_moe",  # Kolibri-1's with indexed attention layers (`hf_kolibri1_1`)
     # Flint (RecursiveSI): Qwen3-MoE's attention with gpt-oss's sinks, windows and NoPE on the full layers; experts by
     # sigmoid score (no bias) beside an ungated shared one, the first layers dense (`_flint_config`)
     "flint": "glm4_moe",
@@ -260,7 +262,6 @@ _ASSISTANTS = ("gemma4_assistant", "gemma4_unified_assistant")
 # Families people ask for that this engine does not serve yet, and what it lacks for them: the refusal says so.
 _NOT_YET: dict[str, str] = {
     "gemma3": "the multimodal Gemma 3's vision tower is not implemented; its text model (gemma3_text) is served",
-    "kolibri1_1": "its pooled indexed attention over shared K/V is not implemented yet (Kolibri-1 is served)",
     "zamba": "its shared attention block is not implemented yet (Zamba2's are)",
 }
 # Families whose attention RMS-normalises q and k (each head, or OLMoE's and OLMo 2's whole projection) before rope.
@@ -291,6 +292,9 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     if model_type in DEEPSEEK_V4_ARCHITECTURES:  # its own attention, streams and routing (`hf_deepseek_v4`)
         return deepseek_v4_model_config(cfg, name, lambda rope: _yarn(cfg, rope))
     _refuse_unbuilt(model_type, cfg)
+    kolibri = kolibri1_1_fields(cfg) if model_type == "kolibri1_1" else {}
+    if model_type == "kolibri1_1":  # read as Kolibri-1, its indexed layers full ones
+        cfg, model_type = kolibri1_1_config(cfg), "kolibri1"
     if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "gemma4_unified", "gemma3n", "llama4", "mistral3",
                       "exaone4_5", "apertus1p5", "cohere_compass", "hy_v4_vl"):  # fmt: skip
         cfg = _text_config(cfg)  # multimodal: its text model
@@ -503,6 +507,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **longcat_fields(model_type, cfg),
         **minimax_fields(model_type, cfg),
         **minimax_m3_fields(model_type, cfg),
+        **kolibri,
         **beam_fields(model_type, cfg),
         **ergo_fields(model_type, cfg),
         **dory_fields(model_type, cfg),

@@ -211,6 +211,11 @@ def refuse_unserved(source: ModelSource, config: EngineConfig) -> None:
             raise ValueError(f"MiniMax-M3's {index_heads} index heads do not split over {size} tensor-parallel ranks")
         if config.lora is not None:
             raise ValueError("LoRA adapters are not applied to MiniMax-M3's block-sparse attention yet")
+    if model.kolibri_index is not None:  # its indexer reads the query heads of key head 0 on every rank
+        if config.tensor_parallel_size > 1:
+            raise ValueError("Kolibri-1.1's indexed attention is not served under tensor parallelism yet")
+        if config.lora is not None:
+            raise ValueError("LoRA adapters are not applied to Kolibri-1.1's indexed attention yet")
     if model.qwen4_exp is not None and config.lora is not None:  # (its blocks read the hyper-connected streams)
         raise ValueError("LoRA adapters are not applied to Qwen4-Exp yet")
     if model.shared_blocks is not None and config.lora is not None:  # (its blocks have adapters of their own)
@@ -402,6 +407,10 @@ def _captures_decode_graphs(loaded: LoadedModel, config: EngineConfig) -> bool:
     if loaded.model_config.block_sparse is not None:
         # Its sparse layers choose between the kernels' attention and their own, which walks each sequence.
         log.warning("a model with block-sparse attention (MiniMax-M3) decodes eagerly: no CUDA graphs yet")
+        return False
+    if loaded.model_config.kolibri_index is not None:
+        # Its indexed layers walk each sequence's keys from host lists.
+        log.warning("Kolibri-1.1 decodes eagerly: no CUDA graphs yet")
         return False
     if loaded.model_config.qwen4_exp is not None:
         # Its QSA layers choose between the kernels' attention and their own, its n-gram layers walk each sequence.

@@ -148,6 +148,21 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "shared_expert_intermediate_size": 96, "norm_topk_prob": True, "pad_token_id": 0, "bos_token_id": 1,
          "eos_token_id": 2},
     ),
+    # Kolibri-1.1: Kolibri-1's layers, windowed ones with rope (0, 3) beside indexed ones without (1, 2, 4: the last
+    # two over layer 1's K/V, layers 1 and 4 picking pools of 8 blocks of 4 keys past 32 keys), each indexed layer
+    # keeping the best 8 keys of its pool beside 2 sinks and the last 4 (past 14 keys), scored by 2 query heads; a
+    # dense first MLP.
+    "kolibri1.1": (
+        "Kolibri1_1Config",
+        {"num_hidden_layers": 5, "head_dim": 16, "sliding_window": WINDOW,
+         "layer_types": ["sliding_attention", "indexed_attention", "indexed_attention", "sliding_attention",
+                         "indexed_attention"],
+         "index_layers": [1, 4], "kv_source_layers": [0, 1, 1, 3, 1], "index_topk": 8, "index_pool_size": 32,
+         "index_compression": 4, "index_num_heads": 2, "index_num_local_tokens": 4, "index_num_sink_tokens": 2,
+         "mlp_only_layers": [0], "mlp_only_intermediate_size": 96, "num_experts": 8, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 96, "norm_topk_prob": True,
+         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     # Flint: per-head q/k norms, a sink per head, full attention without rope on the first two layers and the last
     # (its default pattern), a window with rope on the third; dense first two MLPs (its default), then top-2 of 8
     # experts by sigmoid score beside an ungated shared expert.

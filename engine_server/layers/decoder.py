@@ -18,6 +18,7 @@ from engine_server.layers.block_sparse_attention import BlockSparseAttention
 from engine_server.layers.compressed_attention import CompressedAttention
 from engine_server.layers.gated_deltanet import GatedDeltaNet
 from engine_server.layers.kimi_delta import KimiDeltaAttention
+from engine_server.layers.kolibri_attention import KolibriIndexedAttention
 from engine_server.layers.lightning_attention import LightningAttention
 from engine_server.layers.mamba1 import Mamba1Mixer
 from engine_server.layers.mamba2 import Mamba2Mixer
@@ -88,6 +89,8 @@ class DecoderLayer(nn.Module):
             if config.block_sparse is not None and index in config.block_sparse.layers
             else QsaAttention(config, dtype, tp, index)
             if config.qwen4_exp is not None
+            else KolibriIndexedAttention(config, dtype, tp, index)
+            if config.kolibri_index is not None and index in config.kolibri_index.layers
             else MixtureOfAttention(config, dtype)
             if config.mixture_of_attention
             else PagedSelfAttention(

@@ -1213,6 +1213,27 @@ def test_minimax_m3_chunked_preempted_speculated_quantized_split_and_refusing_wh
         LLM(config=EngineConfig(model=str(folder), device="cpu", quantization="none", lora=LoraConfig()))
 
 
+def test_kolibri1_1_chunked_preempted_speculated_on_int8_and_refusing_what_it_lacks(tmp_path: Path) -> None:
+    """Kolibri-1.1 (tests/families.py: indexed layers over one layer's K/V choosing from two pool layers' pools)
+    keeps transformers' tokens prefilled in 16-token chunks on a small pool (preempted: a recomputed sequence's
+    layers choose again), and under n-gram speculation (drafts rejected). On int8 each prompt's tokens are the same
+    alone and batched and mostly agree with the float path's first tokens. Tensor parallelism and LoRA are refused
+    saying so."""
+    folder = save_family(tmp_path, "kolibri1.1", head_spread=1.0)  # a clear head: its NVFP4 keys round coarsely
+    chunked_split_and_int8(folder, lambda model: model.model.layers[1].mlp.experts, split=False, kv_blocks=16)
+    theirs, batch = reference_tokens(folder), prompts()
+    speculative = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
+    with engine(folder, speculative_config=speculative) as llm:
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+        stats = llm.core.speculator.stats  # type: ignore[union-attr]
+        assert stats.proposed_tokens > stats.accepted_tokens > 0
+    with pytest.raises(ValueError, match=r"Kolibri-1\.1's indexed attention is not served under tensor parallel"):
+        engine(folder, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"LoRA adapters are not applied to Kolibri-1\.1's indexed attention"):
+        LLM(config=EngineConfig(model=str(folder), device="cpu", quantization="none", lora=LoraConfig()))
+
+
 # transformers' names of MiniMax-M3's parts and the released checkpoint's, in the order they are replaced.
 _RELEASED_MINIMAX_M3 = (
     (".mlp.gate.e_score_correction_bias", ".block_sparse_moe.e_score_correction_bias"),

@@ -573,6 +573,21 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "norm_topk_prob": True,
          "pad_token_id": 0},
     ),
+    # Kolibri-1.1: Kolibri-1's layers, windowed ones with rope (0, 3) between indexed ones without (1, 2, 4, 5);
+    # layers 2 and 5 attend over layer 1's K/V, layers 1 and 4 pick pools (4 blocks of 2 keys past 8 keys), each
+    # indexed layer keeps the best 3 keys of its pool beside 1 sink and the last 2 (past 6 keys), scored by 2 query
+    # heads; a dense first MLP 80 wide.
+    "kolibri1.1": (
+        transformers.Kolibri1_1Config,
+        {"num_hidden_layers": 6, "head_dim": 16, "sliding_window": 6,
+         "layer_types": ["sliding_attention", "indexed_attention", "indexed_attention", "sliding_attention",
+                         "indexed_attention", "indexed_attention"],
+         "index_layers": [1, 4], "kv_source_layers": [0, 1, 1, 3, 4, 1], "index_topk": 3, "index_pool_size": 8,
+         "index_compression": 2, "index_num_heads": 2, "index_num_local_tokens": 2, "index_num_sink_tokens": 1,
+         "mlp_only_layers": [0], "mlp_only_intermediate_size": 80, "num_experts": 8, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "norm_topk_prob": True,
+         "pad_token_id": 0},
+    ),
     # Flint: per-head q/k norms and a learned sink per head, a 6-position window with rope on the middle two layers,
     # full attention without rope on the first and last; a dense first MLP (its default: two), then top-3 of 8
     # experts by sigmoid score (no bias), renormalised, beside an ungated shared expert.
@@ -1071,6 +1086,7 @@ MODEL_CLASSES = {
     transformers.Qwen3NextConfig: transformers.Qwen3NextForCausalLM,
     transformers.Qwen3_5MoeTextConfig: transformers.Qwen3_5MoeForCausalLM,
     transformers.Qwen4ExpTextConfig: transformers.Qwen4ExpForCausalLM,
+    transformers.Kolibri1_1Config: transformers.Kolibri1_1ForCausalLM,
     transformers.Gemma4TextConfig: transformers.Gemma4ForCausalLM,
     transformers.Gemma4UnifiedTextConfig: transformers.Gemma4UnifiedForCausalLM,
     transformers.Gemma3nTextConfig: transformers.Gemma3nForCausalLM,
@@ -1303,6 +1319,41 @@ def test_qwen4_exp_n_gram_contexts_end_at_end_of_sequence_tokens_and_qsa_keeps_i
     runner = PagedRunner(ours)
     pieces = [runner.step([(1, tokens[start:end])]) for start, end in ((0, 18), (18, 19), (19, 31), (31, 60))]
     torch.testing.assert_close(torch.cat(pieces), whole, atol=1e-4, rtol=1e-4)
+
+
+def test_kolibri1_1_indexed_layers_choose_far_into_a_sequence_and_across_chunks() -> None:
+    """Kolibri-1.1 (`kolibri1.1` above) on a 60-token sequence: its pool layers choose 4 of up to 30 blocks, each
+    indexed layer 3 of its pool's keys beside the sink and the last 2, prefilled whole and in chunks (a chunk's queries
+    choosing among keys earlier chunks wrote, the reading layers over the writing layer's cache)."""
+    hf, ours = build_pair("kolibri1.1")
+    tokens = random_tokens(60, 22)
+    whole = hf_logits(hf, tokens)
+    torch.testing.assert_close(PagedRunner(ours).step([(0, tokens)]), whole, atol=1e-4, rtol=1e-4)
+    runner = PagedRunner(ours)
+    pieces = [runner.step([(1, tokens[start:end])]) for start, end in ((0, 7), (7, 8), (8, 33), (33, 60))]
+    torch.testing.assert_close(torch.cat(pieces), whole, atol=1e-4, rtol=1e-4)
+
+
+def test_kolibri1_1_configs_read_as_transformers_fills_them_in() -> None:
+    """Kolibri 1.1's defaults as transformers fills them in and from a config that names none of them: every fifth
+    layer indexed (no rope, no window), pools picked by its 1st, 3rd, 4th and 6th, K/V read as its default layout
+    says, the first two MLPs dense and 3,584 wide, the rest 384 experts."""
+    released = {"model_type": "kolibri1_1", "num_hidden_layers": 50, "hidden_size": 2560, "num_attention_heads": 48,
+                "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 128000, "num_local_experts": 384,
+                "num_experts_per_tok": 6, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                "sliding_window": 513}  # fmt: skip
+    for cfg in (transformers.Kolibri1_1Config().to_dict(), released):
+        config = model_config_from_hf(cfg)
+        spec = config.kolibri_index
+        assert spec is not None and config.architecture == "glm4_moe"
+        indexed = tuple(range(4, 50, 5))
+        assert spec.layers == indexed and spec.pool_layers == (4, 14, 19, 29)
+        assert [config.kv_source(i) for i in indexed] == [4, 4, 4, 19, 24, 29, 29, 29, 29, 4]
+        assert config.kv_source(3) == 3 and config.attention_layers == 40 + 4
+        assert [config.attention_window(i) for i in (3, 4)] == [513, 0] and not config.uses_rope(4)
+        assert config.uses_rope(3) and config.dense_layers == (0, 1) and config.layer_intermediate_size(0) == 3584
+        assert (spec.topk, spec.pool_size, spec.compression, spec.heads, spec.local, spec.sinks) == (
+            2048, 16384, 16, 12, 128, 8)
 
 
 def test_qwen4_exp_configs_read_as_transformers_fills_them_in() -> None:
@@ -1780,6 +1831,11 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "mpt", "no_bias": False}, "mpt with no_bias false"),
         ({"model_type": "bloom", "apply_residual_connection_post_layernorm": True},
          "bloom with apply_residual_connection_post_layernorm is not supported"),
+        ({"model_type": "kolibri1_1", "num_hidden_layers": 3, "head_dim": 16,
+          "layer_types": ["sliding_attention", "indexed_attention", "indexed_attention"], "index_layers": [2]},
+         r"kolibri1_1: index_layers \[2\] must be indexed layers, the first among them"),
+        ({"model_type": "kolibri1_1", "num_hidden_layers": 2, "head_dim": 16, "index_num_heads": 3,
+          "layer_types": ["sliding_attention", "indexed_attention"]}, "3 index heads must be among key head 0's 2"),
         ({"model_type": "qwen4_exp_text", "layer_types": ["linear_attention", "indexed_attention"]},
          r"qwen4_exp: QSA needs indexer_n_heads"),
         ({**QWEN4_EXP, "model_type": "qwen4_exp_text", "output_gate_type": "sigmoid"},
