@@ -401,7 +401,8 @@ def _captures_decode_graphs(loaded: LoadedModel, config: EngineConfig) -> bool:
         log.warning("a model with sparse attention (DeepSeek-V3.2, GLM-5) decodes eagerly: no CUDA graphs yet")
         return False
     if loaded.model_config.alibi:
-        # Its attention runs in torch sequence by sequence (`layers.alibi`), from host lists.
+        # Its attention on a GPU is the Triton kernel's (Falcon-RW's in torch, from host lists): graphs over it are
+        # to be checked on a GPU first.
         log.warning("a model with ALiBi (BLOOM, MPT, Falcon-RW) decodes eagerly: no CUDA graphs yet")
         return False
     if loaded.model_config.block_sparse is not None:

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from ladle_kernels import reference
 from ladle_kernels._checks import check_dtype, check_same_device, unit_last_stride
 from ladle_kernels._dot import dot
 from ladle_kernels._e4m3 import e4m3_value
@@ -64,6 +65,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     query_start_ptr,
     sinks_ptr,
+    slopes_ptr,
     qk_scale,
     window,
     softcap,
@@ -86,6 +88,7 @@ def _paged_attention_kernel(
     SOFTCAP: tl.constexpr,
     FP8: tl.constexpr,
     SINKS: tl.constexpr,
+    ALIBI: tl.constexpr,
 ):
     """For new token t of sequence i at position p and query head h (KV head `h // (GROUP * HEAD_SPLITS)`; a
     program takes GROUP of its heads, the share `program_id(1)`):
@@ -98,7 +101,8 @@ def _paged_attention_kernel(
     with float32 statistics and accumulator. With SOFTCAP, each score s is first capped to
     `softcap * tanh(s / softcap)` (`qk_scale` is then the plain scale: the cap comes before base 2). With SINKS,
     head h's softmax starts from one more logit, `sinks[h]` (float32), as if it were a key whose value is 0: the
-    running max starts at it and the running sum at 1 (its weight), so the sink only adds to the denominator. With FP8,
+    running max starts at it and the running sum at 1 (its weight), so the sink only adds to the denominator. With
+    ALIBI, each score gets head h's `slopes[h] * (j - p)` (float32; BLOOM's and MPT's bias), in base 2 too. With FP8,
     the cache is uint8 rows of `head_dim` e4m3 values and their float32 scale (`reference.fp8_kv_rows`), each
     tile decoded as the reference decodes it (`_decode_fp8_rows`) before its dot.
     """
@@ -137,6 +141,7 @@ def _paged_attention_kernel(
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    slopes = tl.load(slopes_ptr + head, mask=row_ok, other=0.0).to(tl.float32) if ALIBI else m_i
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     row_len = head_dim + _FP8_SCALE_BYTES if FP8 else head_dim  # a cached row: an FP8 one ends with its scale
     for start in range(kv_begin, kv_end, BLOCK_N):
@@ -152,6 +157,9 @@ def _paged_attention_kernel(
         else:
             k = tl.load(cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         scores = dot(q, tl.trans(k), None, INPUT_PRECISION, UPCAST_DOT) * qk_scale
+        if ALIBI:  # in base 2, as the scores are
+            distance = (keys[None, :] - position[:, None]).to(tl.float32)
+            scores += slopes[:, None] * distance * 1.4426950408889634
         if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1, then to base 2
             scores = (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * (softcap * 1.4426950408889634)
         visible = key_ok[None, :] & (keys[None, :] <= position[:, None])
@@ -204,12 +212,33 @@ def paged_attention(
     two (>= 16) with masks, so any head dim works. Returns a new contiguous
     `[T, H, D]` tensor. q may be strided over tokens and heads.
     """
+    return _paged_attention(q, kv_cache, meta, scale, window, softcap, sinks)
+
+
+def _paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionInputs,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_attention`, each score plus `alibi_slopes[h] * (j - p)` with `alibi_slopes` (`[H]` float32:
+    `reference.alibi_attention`'s BLOOM and MPT bias; not with a cap)."""
     _check_arguments(q, kv_cache, meta)
     if sinks is not None:
         check_dtype("sinks", sinks, (torch.float32,))
         check_same_device(q=q, sinks=sinks)
         if sinks.shape != (q.shape[1],) or not sinks.is_contiguous():
             raise ValueError(f"sinks must be a contiguous [{q.shape[1]}] (a logit per query head); got {sinks.shape}")
+    if alibi_slopes is not None:
+        check_dtype("alibi_slopes", alibi_slopes, (torch.float32,))
+        check_same_device(q=q, alibi_slopes=alibi_slopes)
+        if alibi_slopes.shape != (q.shape[1],) or not alibi_slopes.is_contiguous() or softcap > 0:
+            raise ValueError(f"alibi_slopes must be a contiguous [{q.shape[1]}] (a slope per query head), without a "
+                             f"cap; got {tuple(alibi_slopes.shape)}")  # fmt: skip
     _, _, block_size, kv_heads, _ = kv_cache.shape
     head_dim = kv_cache_head_dim(kv_cache)
     tokens, heads, _ = q.shape
@@ -239,6 +268,7 @@ def paged_attention(
         meta.seq_lens,
         meta.query_start_loc,
         sinks if sinks is not None else q,
+        alibi_slopes if alibi_slopes is not None else q,
         scale if softcap > 0 else scale * _LOG2E,
         window,
         float(softcap),
@@ -262,9 +292,25 @@ def paged_attention(
         SOFTCAP=softcap > 0,
         FP8=is_fp8_kv_cache(kv_cache),
         SINKS=sinks is not None,
+        ALIBI=alibi_slopes is not None,
         **_WIDE_LAUNCH if wide else {},
     )
     return out
+
+
+def alibi_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionInputs,
+    scale: float,
+    slopes: torch.Tensor,
+    falcon: bool = False,
+) -> torch.Tensor:
+    """`reference.alibi_attention` through the kernel: BLOOM's and MPT's bias `slopes[h] * (j - p)` added to each
+    scaled score; Falcon-RW's (bfloat16 products, scaled with the scores) through the reference."""
+    if falcon:
+        return reference.alibi_attention(q, kv_cache, meta, scale, slopes, falcon)
+    return _paged_attention(q, kv_cache, meta, scale, alibi_slopes=slopes)
 
 
 def _head_splits(group: int, rows: int) -> int:

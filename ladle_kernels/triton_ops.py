@@ -11,7 +11,7 @@ from ladle_kernels.bitmask import apply_token_bitmask_
 from ladle_kernels.kernel_set import KernelOps
 from ladle_kernels.kv_cache import write_kv_cache
 from ladle_kernels.lora import lora_expand, lora_shrink
-from ladle_kernels.paged_attention import paged_attention
+from ladle_kernels.paged_attention import alibi_attention, paged_attention
 from ladle_kernels.rms_norm import rms_norm
 from ladle_kernels.rotary import rotary_embedding
 
@@ -25,4 +25,5 @@ TRITON_OPS = KernelOps(
     paged_attention=paged_attention,
     lora_shrink=lora_shrink,
     lora_expand=lora_expand,
+    alibi_attention=alibi_attention,
 )

@@ -70,15 +70,21 @@ def record_launches(calls: Callable[[], None]) -> list[Launch]:
 
 
 def attention(
-    spec: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, fp8: bool = False
+    spec: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, fp8: bool = False,
+    alibi: bool = False,
 ) -> None:
-    """One attention launch; with `fp8`, over an FP8 cache (`reference.fp8_kv_rows`' uint8 rows)."""
+    """One attention launch; with `fp8`, over an FP8 cache (`reference.fp8_kv_rows`' uint8 rows); with `alibi`,
+    BLOOM's bias added to the scores."""
     blocks = [-(-s // 16) for _, s in spec]
     tables = [list(range(sum(blocks[:i]), sum(blocks[: i + 1]))) for i in range(len(spec))]
     meta = AttentionMetadata.build([q for q, _ in spec], [s for _, s in spec], tables, 16, "cpu")
     row, storage = (head_dim + reference.FP8_KV_SCALE_BYTES, torch.uint8) if fp8 else (head_dim, dtype)
     cache = torch.zeros(2, sum(blocks), 16, kv_heads, row, dtype=storage)
-    paged_attention.paged_attention(torch.zeros(meta.num_tokens, heads, head_dim, dtype=dtype), cache, meta, 0.1)
+    q = torch.zeros(meta.num_tokens, heads, head_dim, dtype=dtype)
+    if alibi:
+        paged_attention.alibi_attention(q, cache, meta, 0.1, torch.zeros(heads))
+    else:
+        paged_attention.paged_attention(q, cache, meta, 0.1)
 
 
 def elementwise_calls(dtype: torch.dtype) -> None:
@@ -147,6 +153,8 @@ def quick_calls() -> None:
     attention([(1, 40), (1, 20)], 32, 8, 128, torch.bfloat16, fp8=True)  # and decode tiles
     attention([(1, 40), (7, 20)], 128, 1, 576, torch.bfloat16)  # latent rows: narrow tiles, the group split
     attention([(1, 40), (1, 20)], 128, 1, 576, torch.bfloat16, fp8=True)
+    attention([(1, 40), (7, 20)], 16, 16, 64, torch.bfloat16, alibi=True)  # BLOOM-560M's heads, prefill tiles
+    attention([(1, 40), (1, 20)], 16, 16, 64, torch.bfloat16, alibi=True)  # and decode tiles
 
 
 def full_calls() -> None:

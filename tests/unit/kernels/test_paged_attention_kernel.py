@@ -179,6 +179,28 @@ def test_paged_attention_with_sinks(device: torch.device, dtype: torch.dtype, wi
     check([*MIXED, *LONG], 6, 2, 64, dtype, device, window=window, sinks=sinks)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("heads", "kv_heads", "kind"), [(6, 6, "bloom"), (6, 2, "mpt"), (16, 16, "bloom")])
+def test_alibi_attention_matches_the_reference(
+    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, kind: str
+) -> None:
+    """BLOOM's and MPT's ALiBi (`slopes[h] * (j - p)` added to each scaled score, in base 2 in the kernel) over
+    prefills and decodes of several key tiles, one KV head a query head or three: `reference.alibi_attention`.
+    Falcon-RW's bfloat16 bias runs through the reference itself."""
+    from engine_server.layers.alibi import alibi_slopes
+    from ladle_kernels.paged_attention import _paged_attention, alibi_attention
+
+    q, cache, meta = make_batch([*MIXED, *LONG], heads, kv_heads, 64, dtype, device)
+    slopes = alibi_slopes(kind, heads, 8.0).to(device)
+    out = alibi_attention(q, cache, meta, 0.125, slopes)
+    torch.testing.assert_close(out, reference.alibi_attention(q, cache, meta, 0.125, slopes), **TOLERANCES[dtype])
+    assert not torch.allclose(out, paged_attention(q, cache, meta, 0.125), **TOLERANCES[dtype])  # the bias counts
+    falcon = alibi_attention(q, cache, meta, 0.125, slopes, falcon=True)
+    assert torch.equal(falcon, reference.alibi_attention(q, cache, meta, 0.125, slopes, falcon=True))
+    with pytest.raises(ValueError, match="alibi_slopes must be a contiguous"):
+        _paged_attention(q, cache, meta, 0.125, alibi_slopes=slopes[:2])
+
+
 def test_paged_attention_refuses_sinks_of_the_wrong_shape(device: torch.device) -> None:
     q, cache, meta = make_batch(DECODE, 6, 2, 64, torch.float32, device)
     with pytest.raises(ValueError, match="sinks must be a contiguous"):
