@@ -100,16 +100,8 @@ class BlockSparseAttention(PagedSelfAttention):
         tokens = hidden.shape[0]
         q, k, v, _ = self.queries_keys_values(positions, self.qkv_proj(hidden), cos_sin_cache, ops)
         index_q, index_k = self.indexer(positions, hidden, cos_sin_cache, ops)
-        index_row = F.pad(index_k, (0, self.head_dim - self.spec.index_head_dim)).to(k.dtype).unsqueeze(1)
-        keys = torch.cat((k, index_row), dim=1)
-        values = torch.cat((v, torch.zeros_like(index_row)), dim=1)
-        ops.write_kv_cache(keys, values, kv_cache, meta.slot_mapping)
-        long = [seq_len > self.spec.dense_positions for seq_len in meta.seq_lens_cpu]
-        if all(long):
-            out = torch.empty_like(q)
-        else:  # a short sequence keeps every block: the kernels' attention (for the long ones too, replaced)
-            padded = torch.cat((q, q.new_zeros(tokens, self.group, self.head_dim)), dim=1)
-            out = ops.paged_attention(padded, kv_cache, meta, self.scale, 0, 0.0, None)[:, : self.num_heads]
+        write_with_index_keys(k, v, index_k, kv_cache, meta, ops)
+        out, long = attend_short_ones(q, kv_cache, meta, ops, self.scale, self.group, self.spec.dense_positions)
         if any(long):
             self._attend_blocks(out, q, index_q, kv_cache, meta, long)
         return self._project(out.reshape(tokens, self.q_size), ops, lora)
@@ -180,6 +172,33 @@ class BlockSparseAttention(PagedSelfAttention):
         """q `[Q, heads, D]` over its sequence's positions each index head keeps (`kept`, `[index_heads, Q, S]`):
         `attend_positions`."""
         return attend_positions(q, kv_cache, table, kept, self.group, self.index_group, self.scale)
+
+
+def write_with_index_keys(
+    k: torch.Tensor, v: torch.Tensor, index_keys: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+    ops: KernelOps,
+) -> None:
+    """Write the step's K/V `[T, kv_heads, D]` and each token's index key `[T, index_dim]` (one more head of the
+    key half, zero-padded to D; zeros in the value half) into `kv_cache`."""
+    row = F.pad(index_keys, (0, k.shape[-1] - index_keys.shape[-1])).to(k.dtype).unsqueeze(1)
+    ops.write_kv_cache(torch.cat((k, row), dim=1), torch.cat((v, torch.zeros_like(row)), dim=1), kv_cache,
+                       meta.slot_mapping)  # fmt: skip
+
+
+def attend_short_ones(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, ops: KernelOps, scale: float, group: int,
+    dense_positions: int,
+) -> tuple[torch.Tensor, list[bool]]:
+    """(out `[T, heads, D]`, which sequences are longer than `dense_positions`): the kernels' attention over every
+    key for the step's short sequences (one more group of zero queries for the index head, its output dropped), the
+    long ones' rows left for their own path to fill. Each sequence's path is its own length's choice, so its bits do
+    not depend on its batch: a step of both kinds runs the kernel over all and the long ones' rows are replaced."""
+    long = [seq_len > dense_positions for seq_len in meta.seq_lens_cpu]
+    if all(long):
+        return torch.empty_like(q), long
+    tokens, heads, head_dim = q.shape
+    padded = torch.cat((q, q.new_zeros(tokens, group, head_dim)), dim=1)
+    return ops.paged_attention(padded, kv_cache, meta, scale, 0, 0.0, None)[:, :heads], long
 
 
 def attend_positions(

@@ -22,13 +22,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig, Qwen4Exp
 from engine_server.layers.attention import PagedSelfAttention
-from engine_server.layers.block_sparse_attention import attend_positions
+from engine_server.layers.block_sparse_attention import attend_positions, attend_short_ones, write_with_index_keys
 from engine_server.layers.norm import RMSNorm
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import TensorParallel
@@ -107,15 +106,8 @@ class QsaAttention(PagedSelfAttention):
         tokens = hidden.shape[0]
         q, k, v, gate = self.queries_keys_values(positions, self.qkv_proj(hidden), cos_sin_cache, ops)
         index_q, raw_keys = self.indexer(positions, hidden, cos_sin_cache, ops)
-        index_row = F.pad(raw_keys, (0, self.head_dim - self.spec.index_head_dim)).to(k.dtype).unsqueeze(1)
-        ops.write_kv_cache(torch.cat((k, index_row), dim=1), torch.cat((v, torch.zeros_like(index_row)), dim=1),
-                           kv_cache, meta.slot_mapping)  # fmt: skip
-        long = [seq_len > self.spec.dense_positions for seq_len in meta.seq_lens_cpu]
-        if all(long):
-            out = torch.empty_like(q)
-        else:  # a short sequence keeps every position: the kernels' attention (for the long ones too, replaced)
-            padded = torch.cat((q, q.new_zeros(tokens, self.group, self.head_dim)), dim=1)
-            out = ops.paged_attention(padded, kv_cache, meta, self.scale, 0, 0.0, None)[:, : self.num_heads]
+        write_with_index_keys(k, v, raw_keys, kv_cache, meta, ops)
+        out, long = attend_short_ones(q, kv_cache, meta, ops, self.scale, self.group, self.spec.dense_positions)
         if any(long):
             self._attend_kept(out, q, index_q, kv_cache, meta, long, cos_sin_cache, ops)
         out = out.reshape(tokens, self.q_size)

@@ -288,6 +288,20 @@ def test_a_bamba_checkpoint_is_served_as_granite_4s_layout(tmp_path: Path) -> No
         assert ours == theirs.of(ours)
 
 
+def _saved_multimodal(model: Any, folder: Path, batch: list[list[int]]) -> GreedyReference:
+    """A multimodal `model` with its text model's matrices drawn N(0, 0.08) under seed 0, saved to `folder` with the
+    embedded tokenizer: its greedy tokens for `batch`."""
+    torch.manual_seed(0)
+    model.eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() > 1 and "visual" not in name:
+                parameter.normal_(0.0, 0.08)
+    model.save_pretrained(folder)
+    copy_tokenizer(folder)
+    return GreedyReference(model, batch, NUM_TOKENS)
+
+
 def test_a_multimodal_qwen35_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
     """The released Qwen3.5 checkpoints are `Qwen3_5ForConditionalGeneration`: a `text_config`, the text model's
     weights under `model.language_model.` and a vision tower beside them, which is not read. Its text output equals
@@ -297,16 +311,8 @@ def test_a_multimodal_qwen35_checkpoint_serves_its_text_model(tmp_path: Path) ->
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
               "num_position_embeddings": 64}  # fmt: skip
     config = transformers.Qwen3_5Config(text_config={**_SHAPE, **LINEAR_ATTENTION}, vision_config=vision)
-    torch.manual_seed(0)
-    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if parameter.dim() > 1 and "visual" not in name:
-                parameter.normal_(0.0, 0.08)
-    model.save_pretrained(tmp_path)
-    copy_tokenizer(tmp_path)
     batch = prompts()[:4]
-    theirs = GreedyReference(model, batch, NUM_TOKENS)
+    theirs = _saved_multimodal(transformers.Qwen3_5ForConditionalGeneration(config), tmp_path, batch)
     with engine(tmp_path) as llm:
         assert llm.core.model_config.architecture == "qwen3_next"
         ours = tokens(llm, batch)
@@ -326,16 +332,8 @@ def test_a_multimodal_qwen4_exp_checkpoint_serves_its_text_model(tmp_path: Path)
     text = {**_SHAPE, **HYBRIDS["qwen4-exp"][1]}
     text["layer_types"] = ["full_attention" if kind == "indexed_attention" else kind for kind in text["layer_types"]]
     config = transformers.Qwen4ExpConfig(text_config=text, vision_config=vision)
-    torch.manual_seed(0)
-    model = transformers.Qwen4ExpForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if parameter.dim() > 1 and "visual" not in name:
-                parameter.normal_(0.0, 0.08)
-    model.save_pretrained(tmp_path)
-    copy_tokenizer(tmp_path)
     batch = prompts()[:4]
-    theirs = GreedyReference(model, batch, NUM_TOKENS)
+    theirs = _saved_multimodal(transformers.Qwen4ExpForConditionalGeneration(config), tmp_path, batch)
     with engine(tmp_path) as llm:
         assert llm.core.model_config.architecture == "qwen4_exp"
         ours = tokens(llm, batch)
