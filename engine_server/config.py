@@ -18,7 +18,7 @@ Architecture = Literal[
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
     "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n",
     "deepseek_v4", "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo", "recurrent_gemma", "jetmoe",
-    "dory", "zamba2", "qwen4_exp", "bert",
+    "dory", "zamba2", "qwen4_exp", "xlstm", "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
@@ -135,6 +135,33 @@ class BlockSparse:
     def dense_positions(self) -> int:
         """The positions below which a query attends to every earlier key (its indexer keeps every block)."""
         return self.topk_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class MLstm:
+    """xLSTM's mLSTM layers (`layers.mlstm`) on `layers`: `heads` heads, each a matrix memory `qk_head_dim x
+    v_head_dim` with a normaliser and a stabiliser, updated per token by exponential input and sigmoid forget gates
+    (their pre-activations soft-capped at `gate_soft_cap`), read by the query over `max(|q . n|, exp(-m)) + eps`. Its
+    state per sequence is every head's memory, normaliser and stabiliser, in place of a KV cache."""
+
+    heads: int
+    qk_head_dim: int
+    v_head_dim: int
+    layers: tuple[int, ...]
+    gate_soft_cap: float = 15.0
+    eps: float = 1e-6
+
+    @property
+    def state_size(self) -> int:
+        """Float32 values one sequence's state holds in one layer: the memories, the normalisers, the stabilisers."""
+        return self.heads * (self.qk_head_dim * self.v_head_dim + self.qk_head_dim + 1)
+
+    def sharded(self, size: int) -> MLstm:
+        """One rank's share under tensor parallelism over `size` ranks: a block of the heads; ValueError unless `size`
+        divides them."""
+        if self.heads % size:
+            raise ValueError(f"mLSTM's {self.heads} heads must be divisible by the tensor-parallel size ({size})")
+        return replace(self, heads=self.heads // size)
 
 
 @dataclass(frozen=True)
@@ -571,7 +598,7 @@ class NormedResiduals:
     mlp: tuple[float, float] = (1.0, 1.0)
 
 
-RecurrentShape = LinearAttention | ShortConvolution | Mamba2 | Mamba1 | Lightning | RGLRU
+RecurrentShape = LinearAttention | ShortConvolution | Mamba2 | Mamba1 | Lightning | RGLRU | MLstm
 
 
 @dataclass(frozen=True)
@@ -908,6 +935,8 @@ class ModelConfig:
     shared_blocks: SharedBlocks | None = None
     # RecurrentGemma: `rg_lru.layers` run Griffin's recurrent block (a state per sequence, no KV cache).
     rg_lru: RGLRU | None = None
+    # xLSTM: every layer an mLSTM (`MLstm`; a state per sequence, no KV cache).
+    mlstm: MLstm | None = None
     # MiMo-V2-Flash: a KV head count per layer (its windowed layers have twice its full ones'; `layer_kv_heads`), and
     # values narrower than the keys (`value_head_dim` < `head_dim`: v_proj's rows and o_proj's columns padded to
     # `head_dim` with zeros at load, so the cache keeps one row width) and scaled by `value_scale` (folded into v_proj).
@@ -1006,10 +1035,10 @@ class ModelConfig:
     def recurrent(self) -> RecurrentShape | None:
         """The shape of the layers that keep a fixed-size state per running sequence: Gated DeltaNet's
         (`linear_attention`), LFM2's short convolution's (`short_convolution`), Mamba-2's (`mamba2`; Falcon-H1's
-        beside attention, with a KV cache as well), Mamba-1's (`mamba1`), lightning attention's (`lightning`) or the
-        RG-LRU's (`rg_lru`); None for a model without such layers."""
+        beside attention, with a KV cache as well), Mamba-1's (`mamba1`), lightning attention's (`lightning`), the
+        RG-LRU's (`rg_lru`) or the mLSTM's (`mlstm`); None for a model without such layers."""
         return (self.linear_attention or self.short_convolution or self.mamba2 or self.mamba1 or self.lightning
-                or self.rg_lru)
+                or self.rg_lru or self.mlstm)
 
     def is_recurrent_layer(self, index: int) -> bool:
         """Whether layer `index` keeps a state per sequence (`recurrent`) in place of a KV cache (not Falcon-H1's,

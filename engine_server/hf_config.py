@@ -47,6 +47,7 @@ from engine_server.hf_recurrent_gemma import (
     recurrent_gemma_config,
     recurrent_gemma_fields,
 )
+from engine_server.hf_xlstm import XLSTM_ARCHITECTURES, xlstm_config, xlstm_fields
 from engine_server.hf_zamba2 import ZAMBA2_ARCHITECTURES, zamba2_config, zamba2_fields
 
 # Each served `model_type` and the family (`ModelConfig.architecture`) that serves it.
@@ -234,6 +235,8 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     **MINIMAX_M3_ARCHITECTURES,
     # Qwen4-Exp: Qwen3.5-MoE's hybrid over hyper-connected streams, QSA attention, n-gram embeddings (`hf_qwen4_exp`)
     **QWEN4_EXP_ARCHITECTURES,
+    # xLSTM: mLSTM layers (a matrix memory per head and sequence) before SwiGLU MLPs, no attention (`hf_xlstm`)
+    **XLSTM_ARCHITECTURES,
     # Beam: sandwich norms with depth-scaled residual adds, gated heads, windowed rope layers and NoPE full ones whose
     # queries scale by position, DeepSeek-V3's grouped routing (`hf_beam`)
     **BEAM_ARCHITECTURES,
@@ -340,6 +343,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     cfg = minimax_config(model_type, cfg)
     cfg = minimax_m3_config(model_type, cfg)
     cfg = qwen4_exp_config(model_type, cfg)
+    cfg = xlstm_config(model_type, cfg)
     cfg = beam_config(model_type, cfg)
     cfg = ergo_config(model_type, cfg)
     cfg = dory_config(model_type, cfg)
@@ -508,6 +512,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **minimax_fields(model_type, cfg),
         **minimax_m3_fields(model_type, cfg),
         **kolibri,
+        **xlstm_fields(model_type, cfg),
         **beam_fields(model_type, cfg),
         **ergo_fields(model_type, cfg),
         **dory_fields(model_type, cfg),

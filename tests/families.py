@@ -642,6 +642,12 @@ HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
          "shared_expert_intermediate_size": 64, "mlp_only_layers": [0]},
     ),
     "lfm2": ("Lfm2Config", {"layer_types": ["conv"] * 3 + ["full_attention"], "pad_token_id": 0}),
+    # xLSTM: three mLSTM blocks of 4 heads (q/k 16 wide, v 32: xLSTM 7B's proportions at 128 wide, as transformers'
+    # states are sized by widths rounded to 64), its prefill chunkwise in 16-token chunks, gates capped at 15 and
+    # logits at 30 (its defaults).
+    "xlstm": ("xLSTMConfig", {"hidden_size": 128, "num_blocks": 3, "num_heads": 4, "qk_dim_factor": 0.5,
+                              "v_dim_factor": 1.0, "chunk_size": 16, "pad_token_id": 1, "bos_token_id": 0,
+                              "eos_token_id": 2}),
     # Qwen4-Exp: Qwen3.5-MoE's layers over 4 hyper-connected streams (rank-24 maps), n-gram embeddings (2- and
     # 3-grams, 2 hash heads each, tables of primes from 97 on, saved in 4 shards) before the first and third linear
     # layers, QSA on the last (2 index heads of 16, blocks of 4 positions, the best 2 kept: prompts past 11 tokens

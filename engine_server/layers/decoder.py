@@ -25,6 +25,7 @@ from engine_server.layers.mamba2 import Mamba2Mixer
 from engine_server.layers.mixture_of_attention import MixtureOfAttention
 from engine_server.layers.mla import MultiLatentAttention
 from engine_server.layers.mlp import GatedMLP, UngatedMLP, clamped_swiglu_args
+from engine_server.layers.mlstm import MLstmMixer
 from engine_server.layers.moe import SparseMoE
 from engine_server.layers.norm import BiasedLayerNorm, GatedRMSNorm, RMSNorm, norm_class
 from engine_server.layers.qsa_attention import QsaAttention
@@ -68,6 +69,7 @@ class DecoderLayer(nn.Module):
             | RecurrentBlock
             | MixtureOfAttention
             | QsaAttention
+            | MLstmMixer
         ) = (
             (KimiDeltaAttention if config.linear_attention.kimi_delta else GatedDeltaNet)(config, dtype, tp)
             if config.is_linear_layer(index) and config.linear_attention is not None
@@ -79,6 +81,8 @@ class DecoderLayer(nn.Module):
             if config.lightning is not None and config.is_recurrent_layer(index)
             else RecurrentBlock(config, dtype, tp)
             if config.rg_lru is not None and config.is_recurrent_layer(index)
+            else MLstmMixer(config, dtype, tp)
+            if config.mlstm is not None and config.is_recurrent_layer(index)
             else ShortConv(config, dtype, tp)
             if config.is_recurrent_layer(index)
             else MultiLatentAttention(config, dtype, tp, index)

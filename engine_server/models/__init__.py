@@ -55,6 +55,7 @@ from engine_server.models.qwen3_next import Qwen3NextForCausalLM
 from engine_server.models.qwen4_exp import Qwen4ExpForCausalLM
 from engine_server.models.recurrent_gemma import RecurrentGemmaForCausalLM
 from engine_server.models.smollm3 import SmolLM3ForCausalLM
+from engine_server.models.xlstm import XLstmForCausalLM
 from engine_server.models.zamba2 import Zamba2ForCausalLM
 
 __all__ = ["BertEncoder", "CausalLM", "StepModel", "allocate_kv_cache", "get_model_class", "kv_cache_bytes_per_block"]
@@ -70,7 +71,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
     "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus", "afmoe", "falcon_h1",
     "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n", "deepseek_v4",
     "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo", "recurrent_gemma", "jetmoe", "dory",
-    "zamba2", "qwen4_exp");
+    "zamba2", "qwen4_exp", "xlstm");
     ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
@@ -125,6 +126,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "recurrent_gemma": RecurrentGemmaForCausalLM,
         "jetmoe": JetMoeForCausalLM,
         "qwen4_exp": Qwen4ExpForCausalLM,
+        "xlstm": XLstmForCausalLM,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

@@ -29,6 +29,7 @@ from engine_server.layers.kimi_delta import KimiDeltaAttention
 from engine_server.layers.lightning_attention import LightningAttention
 from engine_server.layers.mamba1 import Mamba1Mixer
 from engine_server.layers.mamba2 import Mamba2Mixer
+from engine_server.layers.mlstm import MLstmMixer
 from engine_server.layers.quantized_linear import QuantizedLinear
 from engine_server.layers.rg_lru import RecurrentBlock
 from engine_server.layers.short_conv import ShortConv
@@ -116,7 +117,7 @@ def test_greedy_equals_transformers_alone_batched_in_chunks_preempted_and_from_t
         assert llm.core.scheduler.kv_cache.enable_prefix_caching
         layers = llm.core.runner.loaded.model.model.layers
         recurrent = (GatedDeltaNet | KimiDeltaAttention | ShortConv | Mamba2Mixer | Mamba1Mixer | LightningAttention
-                     | RecurrentBlock)
+                     | RecurrentBlock | MLstmMixer)
         if name == "falcon-h1":  # attention beside Mamba-2 in every layer
             assert all(isinstance(layer.self_attn, PagedSelfAttention) and isinstance(layer.mamba, Mamba2Mixer)
                        for layer in layers)  # fmt: skip
@@ -219,7 +220,7 @@ def test_the_quality_benchmarks_reading_of_sequences_equals_transformers_logits(
 @pytest.mark.parametrize(
     "family",
     ["qwen3-next", "lfm2", "granite4-h", "nemotron-h", "nemotron-h-moe", "falcon-h1", "jamba", "lfm3", "olmo-hybrid",
-     "lara-mini", "falcon-mamba", "mamba2", "minimax", "recurrent-gemma", "zamba2", "qwen4-exp"],
+     "lara-mini", "falcon-mamba", "mamba2", "minimax", "recurrent-gemma", "zamba2", "qwen4-exp", "xlstm"],
 )
 def test_the_quantized_path_is_batch_invariant(tmp_path: Path, family: str) -> None:
     """int8 weights (the experts in the C++ expert kernel, the linear layers' core in the C++ kernel, every
@@ -444,6 +445,11 @@ def test_what_these_models_cannot_do_yet_is_refused_by_name(tmp_path: Path, monk
     nemotron = save_family(tmp_path / "nemotron", "nemotron-h")  # its MLPs take no adapter: none is taken at all
     with pytest.raises(ValueError, match=r"LoRA adapters are not applied to Nemotron-H \(its ungated MLPs"):
         LLM(config=EngineConfig(model=str(nemotron), device="cpu", quantization="none", lora=LoraConfig()))
+    xlstm = save_family(tmp_path / "xlstm", "xlstm")  # its mixer's projections take no adapters
+    with pytest.raises(ValueError, match="LoRA adapters are not applied to xLSTM's mLSTM layers"):
+        LLM(config=EngineConfig(model=str(xlstm), device="cpu", quantization="none", lora=LoraConfig()))
+    with pytest.raises(ValueError, match=r"MiniMax-01, xLSTM\)"):
+        engine(xlstm, speculative_config=speculative)
     falcon = save_family(tmp_path / "falcon", "falcon-h1")  # its multipliers are in the weights an adapter adds to
     with pytest.raises(ValueError, match=r"LoRA adapters are not applied to Falcon-H1 \(its multipliers"):
         LLM(config=EngineConfig(model=str(falcon), device="cpu", quantization="none", lora=LoraConfig()))

@@ -824,6 +824,15 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # (2 index heads of 16, blocks of 2 positions, the best 2 kept: sequences past 5 positions attend sparsely),
     # rope over half of each head.
     "qwen4-exp": (transformers.Qwen4ExpTextConfig, QWEN4_EXP),
+    # xLSTM: two mLSTM blocks of 4 heads (q/k 16 wide, v 32: xLSTM 7B's proportions; 128 wide, as transformers'
+    # states are sized by widths rounded to 64), transformers' prefill in chunks of 4 tokens (its chunkwise form,
+    # against the engine's token-by-token recurrence), gates capped at 1.5 and logits at 2 (bending them).
+    "xlstm": (
+        transformers.xLSTMConfig,
+        {"hidden_size": 128, "num_blocks": 2, "num_heads": 4, "qk_dim_factor": 0.5, "v_dim_factor": 1.0,
+         "chunk_size": 4, "gate_soft_cap": 1.5, "output_logit_soft_cap": 2.0, "pad_token_id": 1, "bos_token_id": 0,
+         "eos_token_id": 2},
+    ),
     # LFM2: gated short convolutions (3 taps) on the first and last layers, attention with per-head q/k norms between.
     "lfm2": (transformers.Lfm2Config, {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"],
                                        "pad_token_id": 0}),
@@ -1087,6 +1096,7 @@ MODEL_CLASSES = {
     transformers.Qwen3_5MoeTextConfig: transformers.Qwen3_5MoeForCausalLM,
     transformers.Qwen4ExpTextConfig: transformers.Qwen4ExpForCausalLM,
     transformers.Kolibri1_1Config: transformers.Kolibri1_1ForCausalLM,
+    transformers.xLSTMConfig: transformers.xLSTMForCausalLM,
     transformers.Gemma4TextConfig: transformers.Gemma4ForCausalLM,
     transformers.Gemma4UnifiedTextConfig: transformers.Gemma4UnifiedForCausalLM,
     transformers.Gemma3nTextConfig: transformers.Gemma3nForCausalLM,
@@ -1135,7 +1145,8 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
                 param.normal_(0.0, 1.0)
             elif name.endswith("position_bias"):  # DeepSeek-V4's compressors' (zeros at init)
                 param.normal_(0.0, 1.0)
-            elif name.endswith("ple.conv1d.weight"):  # Qwen4-Exp's n-gram convolution (zeros at init)
+            elif name.endswith(("ple.conv1d.weight", "mlstm_layer.q.weight", "mlstm_layer.k.weight")):
+                # Qwen4-Exp's n-gram convolution (zeros at init); xLSTM's q and k (its memories' reads past the floor)
                 param.normal_(0.0, 0.5)
             elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # Apertus's xIELU, one value per layer
                 param.add_(torch.randn_like(param) * 0.5)
@@ -1354,6 +1365,17 @@ def test_kolibri1_1_configs_read_as_transformers_fills_them_in() -> None:
         assert config.uses_rope(3) and config.dense_layers == (0, 1) and config.layer_intermediate_size(0) == 3584
         assert (spec.topk, spec.pool_size, spec.compression, spec.heads, spec.local, spec.sinks) == (
             2048, 16384, 16, 12, 128, 8)
+
+
+def test_xlstm_7b_config_reads_as_transformers_fills_it_in() -> None:
+    """transformers' xLSTM defaults (xLSTM 7B's shape): 32 blocks of 8 heads, q/k 256 wide a head and v 512, gates
+    capped at 15, an MLP 10,944 wide (4096 x 2.667 rounded up to 64), logits capped at 30, every layer a state."""
+    config = model_config_from_hf(transformers.xLSTMConfig(vocab_size=50304).to_dict())
+    spec = config.mlstm
+    assert spec is not None and config.architecture == "xlstm" and config.num_hidden_layers == 32
+    assert (spec.heads, spec.qk_head_dim, spec.v_head_dim, spec.gate_soft_cap) == (8, 256, 512, 15.0)
+    assert config.intermediate_size == 10944 and config.final_logit_softcap == 30.0 and config.attention_layers == 0
+    assert config.recurrent is spec and spec.state_size == 8 * (256 * 512 + 256 + 1) and spec.sharded(2).heads == 4
 
 
 def test_qwen4_exp_configs_read_as_transformers_fills_them_in() -> None:
@@ -1836,6 +1858,9 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
          r"kolibri1_1: index_layers \[2\] must be indexed layers, the first among them"),
         ({"model_type": "kolibri1_1", "num_hidden_layers": 2, "head_dim": 16, "index_num_heads": 3,
           "layer_types": ["sliding_attention", "indexed_attention"]}, "3 index heads must be among key head 0's 2"),
+        ({"model_type": "xlstm", "use_bias": True}, "xlstm with use_bias"),
+        ({"model_type": "xlstm", "weight_mode": "fused"}, "xlstm with weight_mode 'fused' is not supported"),
+        ({"model_type": "xlstm", "add_out_norm": False}, "xlstm without add_out_norm is not supported"),
         ({"model_type": "qwen4_exp_text", "layer_types": ["linear_attention", "indexed_attention"]},
          r"qwen4_exp: QSA needs indexer_n_heads"),
         ({**QWEN4_EXP, "model_type": "qwen4_exp_text", "output_gate_type": "sigmoid"},

@@ -1,0 +1,147 @@
+"""xLSTM's mLSTM layer (`config.MLstm`; transformers' `xLSTMLayer` with its native recurrent step), over a state per
+sequence.
+
+Each token's q, k (`qk_head_dim` a head), v and output gate (`v_head_dim` a head) come from their projections, its
+input and forget gate pre-activations (one a head, with biases) soft-capped (`cap * tanh(x / cap)`). Head by head,
+with the stabiliser m (float32):
+
+    m' = max(logsigmoid(f) + m, i);  a = exp(logsigmoid(f) + m - m');  b = exp(i - m')
+    C' = a C + b k v^T;  n' = a n + b k;  h = (q' C') / (max(|q' . n'|, exp(-m')) + eps),  q' = q / sqrt(qk_head_dim)
+
+then every head's h LayerNorm'd on its own (no bias), weighted, times the sigmoid of the output gate, and `out_proj`.
+A sequence's state (its row of the layer's float32 state tensor, as Gated DeltaNet's: `layers.gated_deltanet`) holds
+C, n and m of every head; a fresh one starts from zeros. The recurrence runs in torch token by token (prefill
+included), the gates of each token computed on their own so that a token's bits do not depend on its batch.
+
+Under tensor parallelism a rank holds a block of the heads: their rows of every projection and of the norm's weight,
+its states of them, and the matching columns of `out_proj`, whose partial sums it all-reduces.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_server.attention_metadata import AttentionMetadata
+from engine_server.config import ModelConfig
+from engine_server.layers.gated_deltanet import advance_states
+from engine_server.lora.slots import LayerLora
+from engine_server.parallel.group import SINGLE, TensorParallel
+from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, read_whole
+from engine_server.parallel.sharding import PartSlice
+from ladle_kernels.kernel_set import KernelOps
+
+
+class HeadNorm(nn.Module):
+    """The heads' LayerNorm weight (`multihead_norm`), this rank's heads' values of the checkpoint's."""
+
+    def __init__(self, rows: range, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.rows = rows
+        self.weight = nn.Parameter(torch.ones(len(rows), dtype=dtype), requires_grad=False)
+
+    own_tensors = ("weight",)
+
+    def load_tensor(self, kind: str, tensor: CheckpointTensor) -> None:
+        """Copy the checkpoint's weight (every head's), keeping this rank's heads' values."""
+        whole = read_whole(tensor)
+        if whole.dim() != 1 or whole.shape[0] < self.rows.stop:
+            raise ValueError(f"has shape {tuple(whole.shape)}, expected one value per channel of every head")
+        with torch.no_grad():
+            self.weight.copy_(whole[self.rows.start : self.rows.stop])
+
+
+class MLstmMixer(nn.Module):
+    """One mLSTM layer (module doc); same call as `PagedSelfAttention`, with this layer's state tensor in place of
+    its KV cache. Parameters named as xLSTM's checkpoints name them (`mlstm_layer.*`, read as `self_attn.*`)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        if config.mlstm is None:
+            raise ValueError("MLstmMixer needs the model's mlstm shape")
+        whole = config.mlstm
+        shape = self.shape = whole.sharded(tp.size)
+        self.tp, self.norm_eps = tp, config.rms_norm_eps
+        heads = range(tp.rank * shape.heads, (tp.rank + 1) * shape.heads)
+        hidden = config.hidden_size
+
+        def rows(width: int) -> ColumnParallelLinear:
+            part = PartSlice(whole.heads * width, range(heads.start * width, heads.stop * width))
+            return ColumnParallelLinear(hidden, [part], width == 1, dtype)
+
+        self.q, self.k = rows(shape.qk_head_dim), rows(shape.qk_head_dim)
+        self.v, self.ogate_preact = rows(shape.v_head_dim), rows(shape.v_head_dim)
+        self.igate_preact, self.fgate_preact = rows(1), rows(1)
+        dv = shape.v_head_dim
+        self.multihead_norm = HeadNorm(range(heads.start * dv, heads.stop * dv), dtype)
+        self.out_proj: nn.Module = RowParallelLinear(whole.heads * dv, hidden, False, tp, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        state: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        ops: KernelOps,
+        lora: LayerLora | None = None,
+    ) -> torch.Tensor:
+        """hidden `[T, hidden]` -> `[T, hidden]`; advances each sequence's state in `state` (its row
+        `meta.state_slots[i]`) by its chunk. `positions`, `cos_sin_cache` and `lora` are not read."""
+        q, k, v = self.q(hidden), self.k(hidden), self.v(hidden)
+        gates = torch.stack((self.igate_preact(hidden), self.fgate_preact(hidden)), dim=1).float()  # [T, 2, H]
+        out = advance_states(
+            meta, state, "mLSTM", lambda slots, fresh: self._recur(q, k, v, gates, state, slots, fresh, meta)
+        )
+        tokens, heads, dv = out.shape[0], self.shape.heads, self.shape.v_head_dim
+        flat = out.float().view(tokens, heads, dv)
+        normed = (flat - flat.mean(-1, keepdim=True)) * torch.rsqrt(flat.var(-1, keepdim=True, unbiased=False)
+                                                                    + self.norm_eps)  # fmt: skip
+        normed = normed.to(hidden.dtype).view(tokens, -1) * self.multihead_norm.weight
+        gated = ops.sigmoid_mul(normed.contiguous(), self.ogate_preact(hidden).contiguous())
+        result: torch.Tensor = self.tp.all_reduce_sum(self.out_proj(gated))
+        return result
+
+    def _recur(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        gates: torch.Tensor,
+        state: torch.Tensor,
+        slots: list[int],
+        fresh: list[bool],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Every token's h `[T, heads, v_head_dim]` in q's dtype, sequence by sequence and token by token, each
+        sequence's state (row `slots[i]`, zeroed first where `fresh[i]`) advanced in place."""
+        spec = self.shape
+        heads, dk, dv, cap = spec.heads, spec.qk_head_dim, spec.v_head_dim, spec.gate_soft_cap
+        out = q.new_empty(q.shape[0], heads, dv)
+        queries = q.view(-1, heads, dk) * dk**-0.5
+        keys, values = k.view(-1, heads, dk), v.view(-1, heads, dv)
+        start = 0
+        for slot, is_fresh, count in zip(slots, fresh, meta.query_lens_cpu, strict=True):
+            row = state[slot]
+            if is_fresh:
+                row.zero_()
+            memory = row[: heads * dk * dv].view(heads, dk, dv)
+            normaliser = row[heads * dk * dv : heads * dk * (dv + 1)].view(heads, dk)
+            stabiliser = row[heads * dk * (dv + 1) :]
+            for t in range(start, start + count):
+                capped = cap * torch.tanh(gates[t] / cap)
+                log_forget = F.logsigmoid(capped[1])
+                top = torch.maximum(log_forget + stabiliser, capped[0])
+                forget, write = torch.exp(log_forget + stabiliser - top), torch.exp(capped[0] - top)
+                key, value = keys[t].float(), values[t].float()
+                memory.mul_(forget[:, None, None]).add_(write[:, None, None] * (key[:, :, None] @ value[:, None, :]))
+                normaliser.mul_(forget[:, None]).add_(write[:, None] * key)
+                stabiliser.copy_(top)
+                query = queries[t]
+                numerator = (query[:, None, :] @ memory.to(q.dtype)).squeeze(1).float()
+                dot = (query[:, None, :] @ normaliser[:, :, None].to(q.dtype)).squeeze(-1).squeeze(-1)
+                denominator = torch.maximum(dot.abs(), torch.exp(-top)) + spec.eps
+                out[t] = (numerator / denominator[:, None]).to(q.dtype)
+            start += count
+        return out
