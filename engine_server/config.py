@@ -18,7 +18,7 @@ Architecture = Literal[
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
     "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n",
     "deepseek_v4", "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo", "recurrent_gemma", "jetmoe",
-    "dory", "zamba2", "qwen4_exp", "xlstm", "bert",
+    "dory", "zamba2", "qwen4_exp", "xlstm", "rwkv", "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
@@ -162,6 +162,33 @@ class MLstm:
         if self.heads % size:
             raise ValueError(f"mLSTM's {self.heads} heads must be divisible by the tensor-parallel size ({size})")
         return replace(self, heads=self.heads // size)
+
+
+@dataclass(frozen=True)
+class Rwkv:
+    """RWKV-4's blocks (`layers.rwkv`) on `layers`: a time mix (each token's input mixed with the one before it, a WKV
+    recurrence over `attention_hidden` channels) and a channel mix (mixed the same way, a relu² MLP gated by its
+    receptance). Its state per sequence: the channel mix's and the time mix's previous inputs (`hidden` each), then
+    the WKV's numerator, denominator and running maximum (`attention_hidden` each), float32. Every
+    `rescale_every`-th block halves the hidden state (transformers' inference rescaling; 0: none)."""
+
+    hidden: int
+    attention_hidden: int
+    layers: tuple[int, ...]
+    rescale_every: int = 6
+
+    @property
+    def state_size(self) -> int:
+        """Float32 values one sequence's state holds in one layer: the two previous inputs, the WKV's three rows."""
+        return 2 * self.hidden + 3 * self.attention_hidden
+
+    def sharded(self, size: int) -> Rwkv:
+        """One rank's share under tensor parallelism over `size` ranks: a block of the WKV channels (the previous
+        inputs whole); ValueError unless `size` divides them."""
+        if self.attention_hidden % size:
+            raise ValueError(f"RWKV's {self.attention_hidden} channels must be divisible by the tensor-parallel size "
+                             f"({size})")  # fmt: skip
+        return replace(self, attention_hidden=self.attention_hidden // size)
 
 
 @dataclass(frozen=True)
@@ -598,7 +625,7 @@ class NormedResiduals:
     mlp: tuple[float, float] = (1.0, 1.0)
 
 
-RecurrentShape = LinearAttention | ShortConvolution | Mamba2 | Mamba1 | Lightning | RGLRU | MLstm
+RecurrentShape = LinearAttention | ShortConvolution | Mamba2 | Mamba1 | Lightning | RGLRU | MLstm | Rwkv
 
 
 @dataclass(frozen=True)
@@ -937,6 +964,8 @@ class ModelConfig:
     rg_lru: RGLRU | None = None
     # xLSTM: every layer an mLSTM (`MLstm`; a state per sequence, no KV cache).
     mlstm: MLstm | None = None
+    # RWKV-4: every layer a time mix and a channel mix over a state per sequence (`Rwkv`; no KV cache).
+    rwkv: Rwkv | None = None
     # MiMo-V2-Flash: a KV head count per layer (its windowed layers have twice its full ones'; `layer_kv_heads`), and
     # values narrower than the keys (`value_head_dim` < `head_dim`: v_proj's rows and o_proj's columns padded to
     # `head_dim` with zeros at load, so the cache keeps one row width) and scaled by `value_scale` (folded into v_proj).
@@ -1036,9 +1065,9 @@ class ModelConfig:
         """The shape of the layers that keep a fixed-size state per running sequence: Gated DeltaNet's
         (`linear_attention`), LFM2's short convolution's (`short_convolution`), Mamba-2's (`mamba2`; Falcon-H1's
         beside attention, with a KV cache as well), Mamba-1's (`mamba1`), lightning attention's (`lightning`), the
-        RG-LRU's (`rg_lru`) or the mLSTM's (`mlstm`); None for a model without such layers."""
+        RG-LRU's (`rg_lru`), the mLSTM's (`mlstm`) or RWKV-4's (`rwkv`); None for a model without such layers."""
         return (self.linear_attention or self.short_convolution or self.mamba2 or self.mamba1 or self.lightning
-                or self.rg_lru or self.mlstm)
+                or self.rg_lru or self.mlstm or self.rwkv)
 
     def is_recurrent_layer(self, index: int) -> bool:
         """Whether layer `index` keeps a state per sequence (`recurrent`) in place of a KV cache (not Falcon-H1's,

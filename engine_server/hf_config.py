@@ -47,6 +47,7 @@ from engine_server.hf_recurrent_gemma import (
     recurrent_gemma_config,
     recurrent_gemma_fields,
 )
+from engine_server.hf_rwkv import RWKV_ARCHITECTURES, rwkv_config, rwkv_fields
 from engine_server.hf_xlstm import XLSTM_ARCHITECTURES, xlstm_config, xlstm_fields
 from engine_server.hf_zamba2 import ZAMBA2_ARCHITECTURES, zamba2_config, zamba2_fields
 
@@ -237,6 +238,8 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     **QWEN4_EXP_ARCHITECTURES,
     # xLSTM: mLSTM layers (a matrix memory per head and sequence) before SwiGLU MLPs, no attention (`hf_xlstm`)
     **XLSTM_ARCHITECTURES,
+    # RWKV-4: time mixes (a WKV recurrence) and channel mixes over a state per sequence, no attention (`hf_rwkv`)
+    **RWKV_ARCHITECTURES,
     # Beam: sandwich norms with depth-scaled residual adds, gated heads, windowed rope layers and NoPE full ones whose
     # queries scale by position, DeepSeek-V3's grouped routing (`hf_beam`)
     **BEAM_ARCHITECTURES,
@@ -344,6 +347,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     cfg = minimax_m3_config(model_type, cfg)
     cfg = qwen4_exp_config(model_type, cfg)
     cfg = xlstm_config(model_type, cfg)
+    cfg = rwkv_config(model_type, cfg)
     cfg = beam_config(model_type, cfg)
     cfg = ergo_config(model_type, cfg)
     cfg = dory_config(model_type, cfg)
@@ -513,6 +517,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **minimax_m3_fields(model_type, cfg),
         **kolibri,
         **xlstm_fields(model_type, cfg),
+        **rwkv_fields(model_type, cfg),
         **beam_fields(model_type, cfg),
         **ergo_fields(model_type, cfg),
         **dory_fields(model_type, cfg),

@@ -190,7 +190,7 @@ def refuse_unserved(source: ModelSource, config: EngineConfig) -> None:
     if config.speculative is not None and model.recurrent is not None:
         # Verifying drafts would advance the states past tokens that are then rejected.
         raise ValueError("speculative decoding is not served on models with recurrent layers (Qwen3-Next, Qwen3.5, "
-                         "LFM2, Granite 4.0, Nemotron-H, Jamba, Mamba, MiniMax-01, xLSTM)")
+                         "LFM2, Granite 4.0, Nemotron-H, Jamba, Mamba, MiniMax-01, xLSTM, RWKV)")
     if model.compressed_attention is not None:
         # Its attention reads and writes its rows (keys, raw compressor rows, entries) in torch, in the model's dtype.
         if config.cache.dtype == "fp8":
@@ -218,6 +218,8 @@ def refuse_unserved(source: ModelSource, config: EngineConfig) -> None:
             raise ValueError("LoRA adapters are not applied to Kolibri-1.1's indexed attention yet")
     if model.mlstm is not None and config.lora is not None:  # (its mixer's projections take no adapters)
         raise ValueError("LoRA adapters are not applied to xLSTM's mLSTM layers yet")
+    if model.rwkv is not None and config.lora is not None:
+        raise ValueError("LoRA adapters are not applied to RWKV's time and channel mixes yet")
     if model.qwen4_exp is not None and config.lora is not None:  # (its blocks read the hyper-connected streams)
         raise ValueError("LoRA adapters are not applied to Qwen4-Exp yet")
     if model.shared_blocks is not None and config.lora is not None:  # (its blocks have adapters of their own)

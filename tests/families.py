@@ -642,6 +642,9 @@ HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
          "shared_expert_intermediate_size": 64, "mlp_only_layers": [0]},
     ),
     "lfm2": ("Lfm2Config", {"layer_types": ["conv"] * 3 + ["full_attention"], "pad_token_id": 0}),
+    # RWKV-4: three blocks of time and channel mixes, the hidden state halved after the second (rescale_every 2).
+    "rwkv": ("RwkvConfig", {"num_hidden_layers": 3, "rescale_every": 2, "context_length": 1024, "pad_token_id": 0,
+                            "bos_token_id": 1, "eos_token_id": 2}),
     # xLSTM: three mLSTM blocks of 4 heads (q/k 16 wide, v 32: xLSTM 7B's proportions at 128 wide, as transformers'
     # states are sized by widths rounded to 64), its prefill chunkwise in 16-token chunks, gates capped at 15 and
     # logits at 30 (its defaults).

@@ -32,6 +32,7 @@ from engine_server.layers.mamba2 import Mamba2Mixer
 from engine_server.layers.mlstm import MLstmMixer
 from engine_server.layers.quantized_linear import QuantizedLinear
 from engine_server.layers.rg_lru import RecurrentBlock
+from engine_server.layers.rwkv import RwkvLayer
 from engine_server.layers.short_conv import ShortConv
 from engine_server.loader.source import ModelSource
 from tests.families import (
@@ -121,6 +122,8 @@ def test_greedy_equals_transformers_alone_batched_in_chunks_preempted_and_from_t
         if name == "falcon-h1":  # attention beside Mamba-2 in every layer
             assert all(isinstance(layer.self_attn, PagedSelfAttention) and isinstance(layer.mamba, Mamba2Mixer)
                        for layer in layers)  # fmt: skip
+        elif name == "rwkv":  # blocks of a time mix and a channel mix, each with a state
+            assert all(isinstance(layer, RwkvLayer) for layer in layers) and llm.core.model_config.attention_layers == 0
         elif name == "zamba2":  # Mamba-2 layers; its shared blocks' uses before three, layers of K/V of their own
             config, shared = llm.core.model_config, llm.core.model_config.shared_blocks
             assert shared is not None and all(isinstance(layer.mamba, Mamba2Mixer) for layer in layers)
@@ -220,7 +223,7 @@ def test_the_quality_benchmarks_reading_of_sequences_equals_transformers_logits(
 @pytest.mark.parametrize(
     "family",
     ["qwen3-next", "lfm2", "granite4-h", "nemotron-h", "nemotron-h-moe", "falcon-h1", "jamba", "lfm3", "olmo-hybrid",
-     "lara-mini", "falcon-mamba", "mamba2", "minimax", "recurrent-gemma", "zamba2", "qwen4-exp", "xlstm"],
+     "lara-mini", "falcon-mamba", "mamba2", "minimax", "recurrent-gemma", "zamba2", "qwen4-exp", "xlstm", "rwkv"],
 )
 def test_the_quantized_path_is_batch_invariant(tmp_path: Path, family: str) -> None:
     """int8 weights (the experts in the C++ expert kernel, the linear layers' core in the C++ kernel, every
@@ -448,8 +451,11 @@ def test_what_these_models_cannot_do_yet_is_refused_by_name(tmp_path: Path, monk
     xlstm = save_family(tmp_path / "xlstm", "xlstm")  # its mixer's projections take no adapters
     with pytest.raises(ValueError, match="LoRA adapters are not applied to xLSTM's mLSTM layers"):
         LLM(config=EngineConfig(model=str(xlstm), device="cpu", quantization="none", lora=LoraConfig()))
-    with pytest.raises(ValueError, match=r"MiniMax-01, xLSTM\)"):
+    with pytest.raises(ValueError, match=r"MiniMax-01, xLSTM, RWKV\)"):
         engine(xlstm, speculative_config=speculative)
+    rwkv = save_family(tmp_path / "rwkv", "rwkv")
+    with pytest.raises(ValueError, match="LoRA adapters are not applied to RWKV's time and channel mixes"):
+        LLM(config=EngineConfig(model=str(rwkv), device="cpu", quantization="none", lora=LoraConfig()))
     falcon = save_family(tmp_path / "falcon", "falcon-h1")  # its multipliers are in the weights an adapter adds to
     with pytest.raises(ValueError, match=r"LoRA adapters are not applied to Falcon-H1 \(its multipliers"):
         LLM(config=EngineConfig(model=str(falcon), device="cpu", quantization="none", lora=LoraConfig()))

@@ -833,6 +833,9 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "chunk_size": 4, "gate_soft_cap": 1.5, "output_logit_soft_cap": 2.0, "pad_token_id": 1, "bos_token_id": 0,
          "eos_token_id": 2},
     ),
+    # RWKV-4: two blocks of time and channel mixes, the hidden state halved after each (transformers' inference
+    # rescaling, every block).
+    "rwkv": (transformers.RwkvConfig, {"rescale_every": 1, "context_length": 256}),
     # LFM2: gated short convolutions (3 taps) on the first and last layers, attention with per-head q/k norms between.
     "lfm2": (transformers.Lfm2Config, {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"],
                                        "pad_token_id": 0}),
@@ -1097,6 +1100,7 @@ MODEL_CLASSES = {
     transformers.Qwen4ExpTextConfig: transformers.Qwen4ExpForCausalLM,
     transformers.Kolibri1_1Config: transformers.Kolibri1_1ForCausalLM,
     transformers.xLSTMConfig: transformers.xLSTMForCausalLM,
+    transformers.RwkvConfig: transformers.RwkvForCausalLM,
     transformers.Gemma4TextConfig: transformers.Gemma4ForCausalLM,
     transformers.Gemma4UnifiedTextConfig: transformers.Gemma4UnifiedForCausalLM,
     transformers.Gemma3nTextConfig: transformers.Gemma3nForCausalLM,
@@ -1365,6 +1369,20 @@ def test_kolibri1_1_configs_read_as_transformers_fills_them_in() -> None:
         assert config.uses_rope(3) and config.dense_layers == (0, 1) and config.layer_intermediate_size(0) == 3584
         assert (spec.topk, spec.pool_size, spec.compression, spec.heads, spec.local, spec.sinks) == (
             2048, 16384, 16, 12, 128, 8)
+
+
+def test_rwkv_4_pile_config_reads_as_released() -> None:
+    """RWKV-4 169M Pile's config (RWKV/rwkv-4-169m-pile): 12 blocks 768 wide, WKV over every channel, a channel mix
+    3,072 wide, the hidden state halved every 6 blocks, 1,024 positions, its own head."""
+    released = {"model_type": "rwkv", "vocab_size": 50277, "context_length": 1024, "hidden_size": 768,
+                "num_hidden_layers": 12, "attention_hidden_size": 768, "intermediate_size": 3072,
+                "layer_norm_epsilon": 1e-5, "bos_token_id": 0, "eos_token_id": 0, "rescale_every": 6,
+                "tie_word_embeddings": False}  # fmt: skip
+    config = model_config_from_hf(released)
+    assert config.architecture == "rwkv" and config.rwkv is not None and config.attention_layers == 0
+    assert (config.rwkv.attention_hidden, config.rwkv.rescale_every, config.intermediate_size) == (768, 6, 3072)
+    assert config.max_position_embeddings == 1024 and not config.tie_word_embeddings
+    assert config.rwkv.state_size == 2 * 768 + 3 * 768 and config.recurrent is config.rwkv
 
 
 def test_xlstm_7b_config_reads_as_transformers_fills_it_in() -> None:
