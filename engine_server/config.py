@@ -481,6 +481,9 @@ class Mamba1:
     layers: tuple[int, ...]
     inner_norms: Literal["weighted", "weightless", "none"] = "weighted"
     inner_norm_eps: float = 1e-6
+    # Zamba's multi-head Mamba-1: its channels in `heads` heads, each with an `x_proj` and a `dt_proj` of its own (so
+    # its own time step input, B and C); 1: one for all of them.
+    heads: int = 1
 
     @property
     def state_size(self) -> int:
@@ -488,11 +491,12 @@ class Mamba1:
         return self.inner * (self.conv_kernel - 1) + self.inner * self.state_dim
 
     def sharded(self, size: int) -> Mamba1:
-        """One rank's share under tensor parallelism over `size` ranks: a block of the channels; ValueError unless
-        `size` divides them."""
-        if self.inner % size:
-            raise ValueError(f"Mamba's {self.inner} channels must be divisible by the tensor-parallel size ({size})")
-        return replace(self, inner=self.inner // size)
+        """One rank's share under tensor parallelism over `size` ranks: a block of the channels (of the heads, with
+        several); ValueError unless `size` divides them."""
+        if self.inner % size or (self.heads % size and self.heads > 1):
+            raise ValueError(f"Mamba's {self.inner} channels in {self.heads} heads must be divisible by the "
+                             f"tensor-parallel size ({size})")  # fmt: skip
+        return replace(self, inner=self.inner // size, heads=max(1, self.heads // size) if self.heads > 1 else 1)
 
 
 @dataclass(frozen=True)

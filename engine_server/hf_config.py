@@ -268,7 +268,6 @@ _ASSISTANTS = ("gemma4_assistant", "gemma4_unified_assistant")
 # Families people ask for that this engine does not serve yet, and what it lacks for them: the refusal says so.
 _NOT_YET: dict[str, str] = {
     "gemma3": "the multimodal Gemma 3's vision tower is not implemented; its text model (gemma3_text) is served",
-    "zamba": "its shared attention block is not implemented yet (Zamba2's are)",
 }
 # Families whose attention RMS-normalises q and k (each head, or OLMoE's and OLMo 2's whole projection) before rope.
 _QK_NORM_FAMILIES: tuple[Architecture, ...] = (
@@ -1768,7 +1767,8 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     on windowed layers alone); every layer of a Granite 4.0 whose `position_embedding_type` is not "rope" (its H
     models' "nope", or none); every layer of an OLMo Hybrid whose rope base is null; every layer of Nemotron-H and
     of the ALiBi models (BLOOM, MPT, Falcon-RW); () for the other families."""
-    no_mem_rope = model_type == "zamba2" and not cfg.get("use_mem_rope")  # (Zamba2's shared blocks' rope is optional)
+    # (Zamba2's shared blocks' rope is optional; Zamba's have none)
+    no_mem_rope = model_type in ("zamba2", "zamba") and not cfg.get("use_mem_rope")
     if model_type in ("nemotron_h", "bloom", "mpt") or (model_type == "falcon" and cfg.get("alibi")) or no_mem_rope:
         return tuple(range(int(cfg["num_hidden_layers"])))  # their attention turns no rope (BLOOM's, MPT's: ALiBi)
     if model_type in ("beam", "ergo"):  # the kinds of layer their rope parameters leave null

@@ -7,11 +7,12 @@ states: `config.SharedBlocks`); `zamba2_fields` the fields of its own."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from engine_server.config import Architecture, Mamba2, SharedBlocks
+from engine_server.config import Architecture, Mamba1, Mamba2, SharedBlocks
 
-ZAMBA2_ARCHITECTURES: dict[str, Architecture] = {"zamba2": "zamba2"}
+ZAMBA2_ARCHITECTURES: dict[str, Architecture] = {"zamba2": "zamba2", "zamba": "zamba2"}
 # Its layers where a config names none (`Zamba2Config`'s, Zamba2 2.7B's 54).
 _DEFAULT_BLOCKS = (["mamba"] + (["mamba"] * 5 + ["hybrid"]) * 7 + ["mamba"] * 4 + ["hybrid"] + ["mamba"] * 3
                    + ["hybrid"] + ["mamba"] * 2)  # fmt: skip
@@ -38,8 +39,9 @@ def zamba2_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     every head's K/V, as the releases have)."""
     if model_type not in ZAMBA2_ARCHITECTURES:
         return cfg
-    if cfg.get("add_bias_linear"):
-        raise ValueError("zamba2 with add_bias_linear is not supported")
+    if cfg.get("add_bias_linear") or cfg.get("mamba_proj_bias"):
+        raise ValueError(f"{model_type} with biases on its projections (add_bias_linear, mamba_proj_bias) is not "
+                         "supported")  # fmt: skip
     kinds = _block_kinds(cfg)
     hidden, heads = int(cfg.get("hidden_size", 2560)), int(cfg.get("num_attention_heads", 32))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -51,7 +53,7 @@ def zamba2_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return {
         **cfg, "layers_block_type": kinds, "num_hidden_layers": len(kinds) + kinds.count("hybrid"),
         "hidden_size": hidden, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "head_dim": 2 * hidden // heads,
+        "num_key_value_heads": kv_heads, "head_dim": int(cfg.get("attention_head_dim") or 2 * hidden // heads),
         "intermediate_size": int(cfg.get("intermediate_size") or 4 * hidden), "max_position_embeddings": positions,
         "rope_parameters": rope, "rms_norm_eps": cfg.get("rms_norm_eps", 1e-5),
         "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
@@ -67,6 +69,8 @@ def zamba2_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     and llama.cpp do not (as for Nemotron-H). ValueError for another activation."""
     if model_type not in ZAMBA2_ARCHITECTURES:
         return {}
+    if model_type == "zamba":
+        return _zamba_fields(cfg)
     kinds = cfg["layers_block_type"]
     hybrid = tuple(layer for layer, kind in enumerate(kinds) if kind == "hybrid")
     # transformers shares the blocks as it ties the embeddings: with them untied, each use has a block of its own
@@ -88,3 +92,30 @@ def zamba2_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if activation not in _ACTIVATIONS:
         raise ValueError(f"zamba2 hidden_act {activation!r} is not supported ({', '.join(_ACTIVATIONS)})")
     return {"mamba2": mamba, "shared_blocks": blocks, "hidden_act": _ACTIVATIONS[activation]}
+
+
+def _zamba_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Zamba's (the first: Zamba 7B) `ModelConfig` fields from `zamba2_config`'s dict: multi-head Mamba-1 layers
+    (`n_mamba_heads` heads, each an `x_proj` and a `dt_proj` of its own; no norms inside; `mamba_d_state`,
+    `mamba_d_conv`, `mamba_dt_rank`, "auto" being hidden / 16 rounded up) on their unrolled indices, one shared block
+    without adapters or rope (its own per use where the embeddings are untied, as for Zamba2), its MLP's activation."""
+    kinds = cfg["layers_block_type"]
+    hybrid = tuple(layer for layer, kind in enumerate(kinds) if kind == "hybrid")
+    count = 1 if cfg.get("tie_word_embeddings", True) else max(len(hybrid), 1)
+    blocks = SharedBlocks(hybrid_layers=hybrid, blocks=count, adapter_rank=0, attention_adapters=False)
+    unrolled = blocks.layers(len(kinds))
+    hidden, heads = int(cfg["hidden_size"]), int(cfg.get("n_mamba_heads", 2))
+    inner = int(float(cfg.get("mamba_expand", 2)) * hidden)
+    rank = cfg.get("mamba_dt_rank", "auto")
+    mamba = Mamba1(
+        inner=inner, state_dim=int(cfg.get("mamba_d_state", 16)), conv_kernel=int(cfg.get("mamba_d_conv", 4)),
+        dt_rank=math.ceil(hidden / 16) if rank in (None, "auto") else int(rank),
+        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        layers=tuple(index for index, (_, use) in enumerate(unrolled) if not use), inner_norms="none", heads=heads,
+    )  # fmt: skip
+    if inner % heads:
+        raise ValueError(f"zamba: {inner} Mamba channels do not split over {heads} heads")
+    activation = cfg.get("hidden_act") or "gelu"
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"zamba hidden_act {activation!r} is not supported ({', '.join(_ACTIVATIONS)})")
+    return {"mamba1": mamba, "shared_blocks": blocks, "hidden_act": _ACTIVATIONS[activation]}

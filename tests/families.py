@@ -635,6 +635,11 @@ HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
                                 "n_mamba_heads": 4, "mamba_d_state": 16, "mamba_ngroups": 2, "chunk_size": 8,
                                 "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1,
                                 "eos_token_id": 2}),
+    # Zamba (the first): multi-head Mamba-1 layers (2 heads of 64 channels, each its own x_proj and dt_proj), one
+    # shared attention + MLP block (no rope, no adapters) before the third, fifth and seventh, its embeddings tied.
+    "zamba": ("ZambaConfig", {"num_hidden_layers": 7, "attn_layer_period": 2, "attn_layer_offset": 1,
+                              "num_key_value_heads": 4, "n_mamba_heads": 2, "mamba_d_state": 8, "mamba_dt_rank": 8,
+                              "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "qwen3.5": ("Qwen3_5TextConfig", LINEAR_ATTENTION),
     "qwen3-next": (
         "Qwen3NextConfig",

@@ -46,6 +46,39 @@ class ChannelRows(nn.Module):
             self.weight.copy_(whole[self.kept.start : self.kept.stop])
 
 
+class HeadBlocks(nn.Linear):
+    """Zamba's per-head projection (its `x_proj_weight` `[H, dt_rank + 2N, head]`, `dt_proj_weight` `[H, head,
+    dt_rank]` and `dt_proj_bias` `[H, head]`) as one block-diagonal linear layer over this rank's heads (`heads`),
+    each head's block its own and the rest zeros; loaded by `load_tensor`, quantized like any linear layer."""
+
+    def __init__(self, heads: range, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype)
+        self.heads = heads
+        self.weight.requires_grad_(False)
+
+    own_tensors = ("weight", "bias")
+
+    def load_tensor(self, kind: str, tensor: CheckpointTensor) -> None:
+        """Copy this rank's heads' blocks of the checkpoint's per-head weight (or bias) into place."""
+        whole = read_whole(tensor)
+        if whole.dim() != (3 if kind == "weight" else 2) or whole.shape[0] < self.heads.stop:
+            raise ValueError(f"has shape {tuple(whole.shape)}, not one block per head of {self.heads.stop}+")
+        blocks = whole[self.heads.start : self.heads.stop]
+        with torch.no_grad():
+            if kind == "bias":
+                if self.bias is None or blocks.numel() != self.bias.numel():
+                    raise ValueError(f"has shape {tuple(whole.shape)}, not a bias of {self.out_features}")
+                self.bias.copy_(blocks.reshape(-1))
+                return
+            rows, cols = blocks.shape[1:]
+            if (len(self.heads) * rows, len(self.heads) * cols) != tuple(self.weight.shape):
+                raise ValueError(f"has shape {tuple(whole.shape)}, not {len(self.heads)} heads' blocks of a "
+                                 f"{tuple(self.weight.shape)} weight")  # fmt: skip
+            self.weight.zero_()
+            for head, block in enumerate(blocks):
+                self.weight[head * rows : (head + 1) * rows, head * cols : (head + 1) * cols] = block
+
+
 class Mamba1Mixer(nn.Module):
     """One Mamba-1 layer (module doc), with the same call as `PagedSelfAttention`, its state tensor in place of a KV
     cache; the checkpoint's `A_log` and `D` are read as `A_log.weight` and `D.weight`.
@@ -67,8 +100,14 @@ class Mamba1Mixer(nn.Module):
             config.hidden_size, [PartSlice(whole.inner, channels), PartSlice(whole.inner, channels)], False, dtype
         )
         self.conv1d = DepthwiseConv([channels], whole.conv_kernel, dtype, bias=whole.conv_bias)
-        self.x_proj: nn.Module = RowParallelLinear(whole.inner, sum(self.sizes), False, tp, dtype)
-        self.dt_proj: nn.Module = ColumnParallelLinear(whole.dt_rank, [PartSlice(whole.inner, channels)], True, dtype)
+        self.heads = whole.sharded(tp.size).heads
+        if whole.heads > 1:  # Zamba's: each head its own x_proj and dt_proj, one block-diagonal linear layer each
+            heads = range(tp.rank * self.heads, (tp.rank + 1) * self.heads)
+            self.x_proj: nn.Module = HeadBlocks(heads, inner, self.heads * sum(self.sizes), False, dtype)
+            self.dt_proj: nn.Module = HeadBlocks(heads, self.heads * whole.dt_rank, inner, True, dtype)
+        else:
+            self.x_proj = RowParallelLinear(whole.inner, sum(self.sizes), False, tp, dtype)
+            self.dt_proj = ColumnParallelLinear(whole.dt_rank, [PartSlice(whole.inner, channels)], True, dtype)
         self.A_log = ChannelRows(channels, whole.state_dim, dtype)
         self.D = HeadSlice(channels, 1.0, dtype)
         self.inner_norms = whole.inner_norms != "none"
@@ -105,9 +144,32 @@ class Mamba1Mixer(nn.Module):
         rows = state[:, (self.conv1d.weight.shape[-1] - 1) * self.inner :]
         lens = meta.query_lens_cpu
         convolved = ops.mamba1_conv(x, self.conv1d.weight, self.conv1d.bias, state, slots, lens, fresh)
+        if self.heads > 1:
+            return self._heads_core(convolved, z, rows, slots, fresh, meta, ops)
         step, b, c = self.tp.all_reduce_sum(self.x_proj(convolved)).split(self.sizes, dim=-1)
         if self.inner_norms:
             step, b, c = self.dt_layernorm(step, ops), self.b_layernorm(b, ops), self.c_layernorm(c, ops)
         dt = F.softplus(self.dt_proj(step).float())
         a = -self.A_log.weight.float().exp()
         return ops.mamba1_scan(convolved, dt, a, b, c, self.D.weight, z, rows, slots, lens, fresh).to(x.dtype)
+
+    def _heads_core(
+        self, convolved: torch.Tensor, z: torch.Tensor, rows: torch.Tensor, slots: list[int], fresh: list[bool],
+        meta: AttentionMetadata, ops: KernelOps,
+    ) -> torch.Tensor:  # fmt: skip
+        """`_core` after the convolution for Zamba's heads: each head's time step input, B and C from its block of
+        `x_proj`, its time step from its block of `dt_proj`, its scan over its channels and their state rows."""
+        tokens, heads, head = convolved.shape[0], self.heads, self.inner // self.heads
+        step, b, c = self.x_proj(convolved).view(tokens, heads, -1).split(self.sizes, dim=-1)
+        dt = F.softplus(self.dt_proj(step.reshape(tokens, -1)).float())
+        a = -self.A_log.weight.float().exp()
+        width = head * a.shape[1]
+        outputs = []
+        for index in range(heads):
+            channels = slice(index * head, (index + 1) * head)
+            outputs.append(ops.mamba1_scan(
+                convolved[:, channels], dt[:, channels], a[channels], b[:, index], c[:, index],
+                self.D.weight[channels], z[:, channels], rows[:, index * width : (index + 1) * width], slots,
+                meta.query_lens_cpu, fresh,
+            ))  # fmt: skip
+        return torch.cat(outputs, dim=-1).to(convolved.dtype)

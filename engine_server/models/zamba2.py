@@ -19,19 +19,21 @@ from torch import nn
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig, SharedBlocks
 from engine_server.layers.decoder import DecoderModel
+from engine_server.layers.mamba1 import Mamba1Mixer
 from engine_server.layers.mamba2 import Mamba2Mixer
 from engine_server.layers.norm import RMSNorm
 from engine_server.lora.slots import LoraBatch
 from engine_server.models.base import CausalLM
 from engine_server.parallel.group import SINGLE, TensorParallel
-from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear
+from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, read_whole
 from engine_server.parallel.sharding import PartSlice, gate_up_slices, qkv_slices
 from engine_server.step_interrupt import StepInterrupt
 from ladle_kernels.kernel_set import KernelOps
 
 # A hybrid layer's parts: its Mamba-2 layer (`mamba_decoder.`), its linear map and its shared block
 # (`shared_transformer.`, the block's adapters for each use in lists indexed by use).
-_HYBRID = re.compile(r"model\.layers\.(?P<layer>\d+)\.(?P<part>mamba_decoder|linear|shared_transformer)\.(?P<rest>.+)")
+_HYBRID = re.compile(r"model\.layers\.(?P<layer>\d+)\.(?P<part>mamba_decoder|linear|shared_transformer|shared_transf)"
+                     r"\.(?P<rest>.+)")
 _ADAPTER = re.compile(r"(?P<proj>self_attn\.linear_[qkv]_adapter_list|feed_forward\.gate_up_proj_adapter_list)"
                       r"\.(?P<use>\d+)\.(?P<rest>.+)")  # fmt: skip
 _ADAPTER_NAMES = {"self_attn.linear_q_adapter_list": "q_adapter", "self_attn.linear_k_adapter_list": "k_adapter",
@@ -80,7 +82,7 @@ class SharedUse(nn.Module):
         self.k_adapter = LowRank(width, rank, [k], dtype) if adapters else None
         self.v_adapter = LowRank(width, rank, [v], dtype) if adapters else None
         gate_up = list(gate_up_slices(config.intermediate_size, tp.size, tp.rank))
-        self.gate_up_adapter = GateUpAdapter(config.hidden_size, rank, gate_up, dtype)
+        self.gate_up_adapter = GateUpAdapter(config.hidden_size, rank, gate_up, dtype) if rank else None
         self.linear = nn.Linear(config.hidden_size, config.hidden_size, bias=False, dtype=dtype)
 
 
@@ -135,19 +137,21 @@ class SharedBlock(nn.Module):
         attended = ops.paged_attention(q.contiguous(), kv_cache, meta, self.scale, 0, 0.0, None)
         y = self.tp.all_reduce_sum(self.o_proj(attended.reshape(tokens, self.sizes[0])))
         y = self.pre_ff_layernorm(y, ops)
-        gate, up = (self.gate_up_proj(y) + use.gate_up_adapter(y)).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(y)
+        gate, up = (gate_up if use.gate_up_adapter is None else gate_up + use.gate_up_adapter(y)).chunk(2, dim=-1)
         # (its activation over a contiguous copy: torch's erf over a strided view rounds by the batch's shape)
         out: torch.Tensor = self.tp.all_reduce_sum(self.down_proj(self.act(gate.contiguous()) * up))
         return out
 
 
 class Zamba2MambaLayer(nn.Module):
-    """A Mamba-2 layer: `h + mamba(norm(h + t))`, `t` the shared block's output before it (0 where none)."""
+    """A Mamba-2 layer (Zamba's: a multi-head Mamba-1 one): `h + mamba(norm(h + t))`, `t` the shared block's
+    output before it (0 where none)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mamba = Mamba2Mixer(config, dtype, tp)
+        self.mamba = Mamba1Mixer(config, dtype, tp) if config.mamba1 is not None else Mamba2Mixer(config, dtype, tp)
 
 
 class Zamba2DecoderModel(DecoderModel):
@@ -214,6 +218,11 @@ class Zamba2ForCausalLM(CausalLM):
         (".self_attn.o_proj.", ".o_proj."),
         (".feed_forward.down_proj.", ".down_proj."),
         (".feed_forward.gate_up_proj.", ".gate_up_proj."),
+        (".feed_forward.gate_proj.", ".gate_proj."),  # (Zamba's, apart; its per-head Mamba-1 projections)
+        (".mamba.x_proj_weight", ".mamba.x_proj.weight"),
+        (".mamba.dt_proj_weight", ".mamba.dt_proj.weight"),
+        (".mamba.dt_proj_bias", ".mamba.dt_proj.bias"),
+        (".feed_forward.up_proj.", ".up_proj."),
         (".self_attn.q_proj.", ".q_proj."),
         (".self_attn.k_proj.", ".k_proj."),
         (".self_attn.v_proj.", ".v_proj."),
@@ -231,6 +240,11 @@ class Zamba2ForCausalLM(CausalLM):
         assert shared is not None
         use_of = {layer: use for use, layer in enumerate(shared.hybrid_layers)}
         for name, tensor in weights:
+            if name.endswith((".mamba.A_log", ".mamba.D")) and tensor.dim() == (3 if name.endswith("A_log") else 2):
+                tensor = read_whole(tensor).flatten(0, 1)  # Zamba's, by head: its channels' rows in turn
+            elif name.endswith(".mamba.in_proj.weight") and self.config.mamba1 is not None:
+                whole = read_whole(tensor)  # Zamba's x and z rows interleaved, channel by channel: x's, then z's
+                tensor = torch.cat((whole[0::2], whole[1::2]))
             hybrid = _HYBRID.fullmatch(name)
             if hybrid is None:
                 yield name, tensor

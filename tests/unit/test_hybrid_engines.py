@@ -124,9 +124,11 @@ def test_greedy_equals_transformers_alone_batched_in_chunks_preempted_and_from_t
                        for layer in layers)  # fmt: skip
         elif name == "rwkv":  # blocks of a time mix and a channel mix, each with a state
             assert all(isinstance(layer, RwkvLayer) for layer in layers) and llm.core.model_config.attention_layers == 0
-        elif name == "zamba2":  # Mamba-2 layers; its shared blocks' uses before three, layers of K/V of their own
+        elif name in ("zamba2", "zamba"):  # Mamba-2 (Zamba's multi-head Mamba-1) layers; its shared blocks' uses
+            # before three, layers of K/V of their own
             config, shared = llm.core.model_config, llm.core.model_config.shared_blocks
-            assert shared is not None and all(isinstance(layer.mamba, Mamba2Mixer) for layer in layers)
+            mixer = Mamba2Mixer if name == "zamba2" else Mamba1Mixer
+            assert shared is not None and all(isinstance(layer.mamba, mixer) for layer in layers)
             unrolled = shared.layers(len(layers))
             assert [config.is_recurrent_layer(i) for i in range(config.num_hidden_layers)] == [
                 not use for _, use in unrolled
@@ -223,7 +225,8 @@ def test_the_quality_benchmarks_reading_of_sequences_equals_transformers_logits(
 @pytest.mark.parametrize(
     "family",
     ["qwen3-next", "lfm2", "granite4-h", "nemotron-h", "nemotron-h-moe", "falcon-h1", "jamba", "lfm3", "olmo-hybrid",
-     "lara-mini", "falcon-mamba", "mamba2", "minimax", "recurrent-gemma", "zamba2", "qwen4-exp", "xlstm", "rwkv"],
+     "lara-mini", "falcon-mamba", "mamba2", "minimax", "recurrent-gemma", "zamba2", "qwen4-exp", "xlstm", "rwkv",
+     "zamba"],
 )
 def test_the_quantized_path_is_batch_invariant(tmp_path: Path, family: str) -> None:
     """int8 weights (the experts in the C++ expert kernel, the linear layers' core in the C++ kernel, every

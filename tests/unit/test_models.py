@@ -719,6 +719,12 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         "layers_block_type": ["hybrid", "mamba", "hybrid"], "num_hidden_layers": 3, "adapter_rank": 8,
         "n_mamba_heads": 4, "mamba_d_state": 16, "chunk_size": 8, "initializer_range": 0.08,
     }),
+    # Zamba (the first): multi-head Mamba-1 layers (2 heads of 64 channels, each its own x_proj and dt_proj), one
+    # shared attention + MLP block (no rope, no adapters) before the third and fifth, each use's linear map its own.
+    "zamba": (transformers.ZambaConfig, {
+        "num_hidden_layers": 5, "attn_layer_period": 2, "attn_layer_offset": 1, "num_key_value_heads": 4,
+        "n_mamba_heads": 2, "mamba_d_state": 8, "mamba_dt_rank": 8, "initializer_range": 0.08,
+    }),
     # Dory: a looped nGPT, one input layer, two recurrent ones run three times, one output layer; windowed layers
     # (4 positions) with a rope base of their own between full ones; q/k/v and MLP biases.
     "dory": (transformers.DoryConfig, {
@@ -1091,6 +1097,7 @@ MODEL_CLASSES = {
     transformers.OpenAIGPTConfig: transformers.OpenAIGPTLMHeadModel,
     transformers.DoryConfig: transformers.DoryForCausalLM,
     transformers.Zamba2Config: transformers.Zamba2ForCausalLM,
+    transformers.ZambaConfig: transformers.ZambaForCausalLM,
     transformers.RecurrentGemmaConfig: transformers.RecurrentGemmaForCausalLM,
     transformers.ErgoConfig: transformers.ErgoForCausalLM,
     transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
@@ -1383,6 +1390,19 @@ def test_rwkv_4_pile_config_reads_as_released() -> None:
     assert (config.rwkv.attention_hidden, config.rwkv.rescale_every, config.intermediate_size) == (768, 6, 3072)
     assert config.max_position_embeddings == 1024 and not config.tie_word_embeddings
     assert config.rwkv.state_size == 2 * 768 + 3 * 768 and config.recurrent is config.rwkv
+
+
+def test_zamba_7b_config_reads_as_transformers_fills_it_in() -> None:
+    """transformers' Zamba defaults (Zamba 7B's shape): 76 Mamba-1 layers of 2 heads (7,424 channels, a time-step
+    rank of 232), one shared block before 13 of them (heads 464 wide, no rope), unrolled to 89 layers, its MLP 14,848
+    wide."""
+    config = model_config_from_hf(transformers.ZambaConfig().to_dict())
+    mamba, shared = config.mamba1, config.shared_blocks
+    assert config.architecture == "zamba2" and mamba is not None and shared is not None
+    assert (mamba.heads, mamba.inner, mamba.dt_rank, mamba.state_dim, mamba.inner_norms) == (2, 7424, 232, 16, "none")
+    assert (shared.blocks, len(shared.hybrid_layers), shared.adapter_rank) == (1, 13, 0)
+    assert config.num_hidden_layers == 89 and config.head_dim == 464 and not config.uses_rope(0)
+    assert config.intermediate_size == 14848 and mamba.sharded(2).heads == 1
 
 
 def test_xlstm_7b_config_reads_as_transformers_fills_it_in() -> None:
@@ -1743,7 +1763,7 @@ def test_zamba2_configs_read_as_transformers_writes_them() -> None:
                                                for kind in written["layers_block_type"]]}  # fmt: skip
     assert model_config_from_hf(legacy) == config
     for changed, message in (
-        ({"add_bias_linear": True}, "zamba2 with add_bias_linear is not supported"),
+        ({"add_bias_linear": True}, "zamba2 with biases on its projections (add_bias_linear, mamba_proj_bias)"),
         ({"use_shared_attention_adapter": True, "num_key_value_heads": 8},
          "zamba2 with use_shared_attention_adapter and 8 KV heads for 32 heads is not supported"),
         ({"layers_block_type": ["mamba", "moe"], "num_hidden_layers": 2}, "zamba2 layers_block_type must name"),
@@ -1863,7 +1883,7 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({**LAGUNA, "gating": "per-group"}, "laguna gating 'per-group' is not supported"),
         ({"model_type": "olmo_hybrid", "layer_types": ["linear_attention"] * 2}, "olmo_hybrid layer_types must name"),
         ({"model_type": "olmo_hybrid", "linear_num_key_heads": 2}, "olmo_hybrid with 4 linear value heads over 2"),
-        ({"model_type": "zamba"}, r"unsupported model_type 'zamba' \(its shared attention block is not implemented"),
+        ({"model_type": "zamba", "mamba_proj_bias": True}, r"zamba with biases on its projections"),
         ({"model_type": "mpt", "attn_config": {"qk_ln": True}}, "mpt with attn_config qk_ln True is not supported"),
         ({"model_type": "mpt", "attn_config": {"alibi": False}}, "mpt with attn_config alibi False is not supported"),
         ({"model_type": "mpt", "attn_config": {"attn_type": "grouped_query_attention"}},
