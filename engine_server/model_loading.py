@@ -223,7 +223,7 @@ def refuse_unserved(source: ModelSource, config: EngineConfig) -> None:
     if model.qwen4_exp is not None and config.lora is not None:  # (its blocks read the hyper-connected streams)
         raise ValueError("LoRA adapters are not applied to Qwen4-Exp yet")
     if model.shared_blocks is not None and config.lora is not None:  # (its blocks have adapters of their own)
-        raise ValueError("LoRA adapters are not applied to Zamba2's shared blocks yet")
+        raise ValueError("LoRA adapters are not applied to Zamba's and Zamba2's shared blocks yet")
     if model.looped_ngpt is not None:  # its norms span every head and the MLP's width; its blocks are its own
         if config.tensor_parallel_size > 1:
             raise ValueError("Dory is not served under tensor parallelism yet")
