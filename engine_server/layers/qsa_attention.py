@@ -80,8 +80,9 @@ class QsaIndexer(nn.Module):
 
 class QsaAttention(PagedSelfAttention):
     """A Qwen4-Exp indexed-attention layer: `PagedSelfAttention` (Qwen3.5's output gate, `1 + w` q/k norms, partial
-    rope) over the positions its `indexer` keeps (module docstring). Not under tensor parallelism (refused at
-    load)."""
+    rope) over the positions its `indexer` keeps (module docstring). Under tensor parallelism a rank attends with its
+    query heads over its KV heads, the indexer whole on every rank (every head reads the same positions), each
+    rank's cache holding every token's raw index key."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel, index: int) -> None:
         super().__init__(config, dtype, tp=tp, index=index)
