@@ -10,14 +10,18 @@ with the stabiliser m (float32):
 
 then every head's h LayerNorm'd on its own (no bias), weighted, times the sigmoid of the output gate, and `out_proj`.
 A sequence's state (its row of the layer's float32 state tensor, as Gated DeltaNet's: `layers.gated_deltanet`) holds
-C, n and m of every head; a fresh one starts from zeros. The recurrence runs in torch token by token (prefill
-included), the gates of each token computed on their own so that a token's bits do not depend on its batch.
+C, n and m of every head; a fresh one starts from zeros. The recurrence runs in torch a token a step (prefill
+included), each step over every sequence that has a token there (a decode step is one step of all of them); the
+gates' transcendental functions run over rows padded to whole vectors, so that a token's bits do not depend on its
+batch.
 
 Under tensor parallelism a rank holds a block of the heads: their rows of every projection and of the norm's weight,
 its states of them, and the matching columns of `out_proj`, whose partial sums it all-reduces.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -114,34 +118,54 @@ class MLstmMixer(nn.Module):
         fresh: list[bool],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Every token's h `[T, heads, v_head_dim]` in q's dtype, sequence by sequence and token by token, each
-        sequence's state (row `slots[i]`, zeroed first where `fresh[i]`) advanced in place."""
+        """Every token's h `[T, heads, v_head_dim]` in q's dtype, each sequence's state (row `slots[i]`, zeroed first
+        where `fresh[i]`) advanced in place: step j advances every sequence with a j-th token of this chunk at once
+        (a decode step is one step of all of them), each gathered from its row and written back."""
         spec = self.shape
         heads, dk, dv, cap = spec.heads, spec.qk_head_dim, spec.v_head_dim, spec.gate_soft_cap
         out = q.new_empty(q.shape[0], heads, dv)
         queries = q.view(-1, heads, dk) * dk**-0.5
-        keys, values = k.view(-1, heads, dk), v.view(-1, heads, dv)
-        start = 0
-        for slot, is_fresh, count in zip(slots, fresh, meta.query_lens_cpu, strict=True):
-            row = state[slot]
+        keys, values = k.view(-1, heads, dk).float(), v.view(-1, heads, dv).float()
+        lens = meta.query_lens_cpu
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        for slot, is_fresh in zip(slots, fresh, strict=True):
             if is_fresh:
-                row.zero_()
-            memory = row[: heads * dk * dv].view(heads, dk, dv)
-            normaliser = row[heads * dk * dv : heads * dk * (dv + 1)].view(heads, dk)
-            stabiliser = row[heads * dk * (dv + 1) :]
-            for t in range(start, start + count):
-                capped = cap * torch.tanh(gates[t] / cap)
-                log_forget = F.logsigmoid(capped[1])
-                top = torch.maximum(log_forget + stabiliser, capped[0])
-                forget, write = torch.exp(log_forget + stabiliser - top), torch.exp(capped[0] - top)
-                key, value = keys[t].float(), values[t].float()
-                memory.mul_(forget[:, None, None]).add_(write[:, None, None] * (key[:, :, None] @ value[:, None, :]))
-                normaliser.mul_(forget[:, None]).add_(write[:, None] * key)
-                stabiliser.copy_(top)
-                query = queries[t]
-                numerator = (query[:, None, :] @ memory.to(q.dtype)).squeeze(1).float()
-                dot = (query[:, None, :] @ normaliser[:, :, None].to(q.dtype)).squeeze(-1).squeeze(-1)
-                denominator = torch.maximum(dot.abs(), torch.exp(-top)) + spec.eps
-                out[t] = (numerator / denominator[:, None]).to(q.dtype)
-            start += count
+                state[slot].zero_()
+        memory_size, norm_size = heads * dk * dv, heads * dk
+        for step in range(max(lens)):
+            active = [i for i, count in enumerate(lens) if count > step]
+            rows = torch.tensor([slots[i] for i in active], device=state.device)
+            tokens = torch.tensor([starts[i] + step for i in active], device=state.device)
+            row = state.index_select(0, rows)
+            memory = row[:, :memory_size].view(-1, heads, dk, dv)
+            normaliser = row[:, memory_size : memory_size + norm_size].view(-1, heads, dk)
+            stabiliser = row[:, memory_size + norm_size :]
+            capped = _rowwise(lambda x: cap * torch.tanh(x / cap), gates.index_select(0, tokens))  # [A, 2, H]
+            log_forget = _rowwise(F.logsigmoid, capped[:, 1])
+            top = torch.maximum(log_forget + stabiliser, capped[:, 0])
+            forget = _rowwise(torch.exp, log_forget + stabiliser - top)
+            write = _rowwise(torch.exp, capped[:, 0] - top)
+            key, value = keys.index_select(0, tokens), values.index_select(0, tokens)
+            outer = key[..., :, None] @ value[..., None, :]
+            memory = forget[..., None, None] * memory + write[..., None, None] * outer
+            normaliser = forget[..., None] * normaliser + write[..., None] * key
+            query = queries.index_select(0, tokens)
+            numerator = (query[..., None, :] @ memory.to(q.dtype)).squeeze(-2).float()
+            dot = (query[..., None, :] @ normaliser[..., :, None].to(q.dtype)).squeeze(-1).squeeze(-1)
+            denominator = torch.maximum(dot.abs(), _rowwise(torch.exp, -top)) + spec.eps
+            out.index_copy_(0, tokens, (numerator / denominator[..., None]).to(q.dtype))
+            state.index_copy_(0, rows, torch.cat((memory.flatten(1), normaliser.flatten(1), top), dim=1))
         return out
+
+
+_LANES = 16  # float32 values in the widest vector a CPU kernel may use (AVX-512)
+
+
+def _rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`fn` (elementwise) of x `[A, ...]`, each row padded to a whole number of vectors first: torch's CPU kernels run a
+    tensor's scalar tail another way than its vectors, so a row's bits would otherwise depend on how many rows the
+    step holds (its batch)."""
+    flat = x.reshape(x.shape[0], -1)
+    width = flat.shape[1]
+    padded = F.pad(flat, (0, -width % _LANES))
+    return fn(padded)[:, :width].reshape(x.shape)

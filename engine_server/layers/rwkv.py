@@ -12,7 +12,8 @@ input `x * mix + shifted * (1 - mix)` with a mix per channel:
 A block's state row holds the channel mix's previous input, the time mix's, then the WKV's three rows; a fresh
 sequence starts from zeros (the running maximum from -1e38). Each `rescale_every`-th block's output projections are
 read divided by 2^(block // rescale_every) and the hidden state is halved after it, as transformers serves it. The
-recurrence runs in torch token by token; sigmoids go through the kernel set's `sigmoid_mul` (row by row on the CPU).
+recurrence runs in torch a token a step, each step over every sequence with a token there; sigmoids go through the
+kernel set's `sigmoid_mul` (row by row on the CPU).
 
 Under tensor parallelism a rank holds a block of the WKV channels (their rows of `key`, `value` and `receptance`,
 their decays and states) and of the channel mix's width, all-reducing both output projections; the mixes, norms and
@@ -21,7 +22,10 @@ the channel mix's receptance are whole on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
@@ -154,26 +158,39 @@ class RwkvLayer(nn.Module):
     def _wkv(
         self, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor, slots: list[int], query_lens: list[int]
     ) -> torch.Tensor:
-        """The WKV of every token `[T, channels]` in key's dtype, token by token (transformers' CPU recurrence),
-        each sequence's numerator, denominator and maximum (its row of `rows`, `[3 * channels]`) advanced in place."""
+        """The WKV of every token `[T, channels]` in key's dtype (transformers' CPU recurrence), each sequence's
+        numerator, denominator and maximum (its row of `rows`, `[3 * channels]`) advanced in place: step j advances
+        every sequence with a j-th token of this chunk at once, gathered from its row and written back (the exps
+        over whole rows padded to whole vectors: a token's bits do not depend on its batch)."""
         mixes, channels = self.attention.mixes, self.channels
         decay = -torch.exp(mixes.get_parameter("time_decay").float())
         bonus = mixes.get_parameter("time_first").float()
-        out, start = torch.empty_like(key), 0
-        for slot, count in zip(slots, query_lens, strict=True):
-            numerator, denominator, maximum = rows[slot].view(3, channels)
-            for t in range(start, start + count):
-                k, v = key[t].float(), value[t]
-                top = torch.maximum(maximum, k + bonus)
-                old, new = torch.exp(maximum - top), torch.exp(k + bonus - top)
-                out[t] = ((old * numerator + new * v) / (old * denominator + new)).to(key.dtype)
-                top = torch.maximum(maximum + decay, k)
-                old, new = torch.exp(maximum + decay - top), torch.exp(k - top)
-                numerator.mul_(old).add_(new * v)
-                denominator.mul_(old).add_(new)
-                maximum.copy_(top)
-            start += count
+        out = torch.empty_like(key)
+        starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
+        for step in range(max(query_lens)):
+            active = [i for i, count in enumerate(query_lens) if count > step]
+            index = torch.tensor([slots[i] for i in active], device=key.device)
+            tokens = torch.tensor([starts[i] + step for i in active], device=key.device)
+            numerator, denominator, maximum = rows.index_select(0, index).view(-1, 3, channels).unbind(1)
+            k, v = key.index_select(0, tokens).float(), value.index_select(0, tokens)
+            top = torch.maximum(maximum, k + bonus)
+            old, new = _rowwise(torch.exp, maximum - top), _rowwise(torch.exp, k + bonus - top)
+            out.index_copy_(0, tokens, ((old * numerator + new * v) / (old * denominator + new)).to(key.dtype))
+            top = torch.maximum(maximum + decay, k)
+            old, new = _rowwise(torch.exp, maximum + decay - top), _rowwise(torch.exp, k - top)
+            advanced = (old * numerator + new * v, old * denominator + new, top)
+            rows.index_copy_(0, index, torch.stack(advanced, dim=1).flatten(1))
         return out
+
+
+_LANES = 16  # float32 values in the widest vector a CPU kernel may use (AVX-512)
+
+
+def _rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`fn` (elementwise) of x `[A, width]`, each row padded to a whole number of vectors first (torch's CPU kernels
+    run a tensor's scalar tail another way than its vectors)."""
+    width = x.shape[1]
+    return fn(F.pad(x, (0, -width % _LANES)))[:, :width]
 
 
 def _mix(x: torch.Tensor, shifted: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
