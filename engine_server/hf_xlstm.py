@@ -22,15 +22,15 @@ def xlstm_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """`cfg` with the keys the reader takes from a Llama config (the same dict for another `model_type`): its blocks
     as layers, one attention head 2 wide that no layer reads, the MLP's width as transformers rounds it, the norms'
     epsilon from `norm_eps`. ValueError for what the layers do not build: biases (`use_bias`), no final norm
-    (`add_out_norm` false), fused projections (`weight_mode` fused)."""
+    (`add_out_norm` false), a `weight_mode` other than single or fused (`models.xlstm` splits the fused ones)."""
     if model_type not in XLSTM_ARCHITECTURES:
         return cfg
     if cfg.get("use_bias"):
         raise ValueError("xlstm with use_bias (biases on its projections and norms) is not supported")
     if cfg.get("add_out_norm") is False:
         raise ValueError("xlstm without add_out_norm is not supported")
-    if (cfg.get("weight_mode") or "single") != "single":
-        raise ValueError(f"xlstm with weight_mode {cfg['weight_mode']!r} is not supported (single is)")
+    if (cfg.get("weight_mode") or "single") not in ("single", "fused"):
+        raise ValueError(f"xlstm with weight_mode {cfg['weight_mode']!r} is not supported (single and fused are)")
     hidden = int(cfg.get("hidden_size") or cfg.get("embedding_dim") or 4096)
     multiple = int(cfg.get("ffn_round_up_to_multiple_of") or 64)
     width = math.ceil(hidden * float(cfg.get("ffn_proj_factor") or 2.667) / multiple) * multiple

@@ -1405,6 +1405,34 @@ def test_zamba_7b_config_reads_as_transformers_fills_it_in() -> None:
     assert config.intermediate_size == 14848 and mamba.sharded(2).heads == 1
 
 
+def test_xlstm_fused_checkpoints_split_into_their_parts() -> None:
+    """A `weight_mode` fused xLSTM checkpoint (q, k, v and the output gate in `qkv_opreact`, the input and forget
+    gates in `ifgate_preact`, the MLP's gate and up in `proj_up_gate_z`; transformers' own fused model does not build
+    here: its init slices the gates' bias wrong) is `xlstm`'s single model's weights joined: it serves the same
+    logits."""
+    hf, _ = build_pair("xlstm")
+    joined = {".mlstm_layer.qkv_opreact.": ("q", "k", "v", "ogate_preact"),
+              ".mlstm_layer.ifgate_preact.": ("igate_preact", "fgate_preact"),
+              ".ffn.proj_up_gate_z.": ("proj_up_gate", "proj_up")}  # fmt: skip
+    state = dict(hf.state_dict())
+    fused: dict[str, torch.Tensor] = {}
+    for name in list(state):
+        for target, parts in joined.items():
+            prefix = ".mlstm_layer." if "mlstm" in target else ".ffn."
+            head, _, kind = name.rpartition(".")
+            if head.endswith(prefix + parts[0]):
+                base = head.removesuffix(prefix + parts[0])
+                pieces = [state.pop(f"{base}{prefix}{part}.{kind}") for part in parts]
+                fused[f"{base}{target}{kind}"] = torch.cat(pieces)
+    config = model_config_from_hf({**hf.config.to_dict(), "weight_mode": "fused"})
+    ours = get_model_class(config.architecture)(config)
+    ours.load_weights([*state.items(), *fused.items()])
+    tokens = random_tokens(20, 5)
+    torch.testing.assert_close(PagedRunner(ours.eval()).step([(0, tokens)]), hf_logits(hf, tokens), atol=1e-4,
+                               rtol=1e-4)  # fmt: skip
+    assert len(fused) == 2 * 4  # each of the 2 blocks: the three fused weights and the gates' bias
+
+
 def test_xlstm_7b_config_reads_as_transformers_fills_it_in() -> None:
     """transformers' xLSTM defaults (xLSTM 7B's shape): 32 blocks of 8 heads, q/k 256 wide a head and v 512, gates
     capped at 15, an MLP 10,944 wide (4096 x 2.667 rounded up to 64), logits capped at 30, every layer a state."""
@@ -1897,7 +1925,7 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "kolibri1_1", "num_hidden_layers": 2, "head_dim": 16, "index_num_heads": 3,
           "layer_types": ["sliding_attention", "indexed_attention"]}, "3 index heads must be among key head 0's 2"),
         ({"model_type": "xlstm", "use_bias": True}, "xlstm with use_bias"),
-        ({"model_type": "xlstm", "weight_mode": "fused"}, "xlstm with weight_mode 'fused' is not supported"),
+        ({"model_type": "xlstm", "weight_mode": "joint"}, "xlstm with weight_mode 'joint' is not supported"),
         ({"model_type": "xlstm", "add_out_norm": False}, "xlstm without add_out_norm is not supported"),
         ({"model_type": "qwen4_exp_text", "layer_types": ["linear_attention", "indexed_attention"]},
          r"qwen4_exp: QSA needs indexer_n_heads"),
