@@ -899,6 +899,9 @@ class ModelConfig:
     # them, `num_experts_per_tok` a token, each giving a query per KV head and an output projection) as its MLP is
     # of MLP experts, and a bias added to each mixture's output (`moe_output_bias`).
     mixture_of_attention: bool = False
+    # DiffLlama: differential attention (`layers.differential_attention`): each pair of head halves' softmaxes over
+    # the two halves of the values, the second's subtracted by a learned lambda, normalised.
+    differential_attention: bool = False
     moe_output_bias: bool = False
     # MiniMax-M3 (and DeepSeek-V4's shared experts): the dense MLPs and shared experts run the experts' clamped
     # SwiGLU (`swiglu_limit`, `swiglu_alpha`, `swiglu_up_offset`) too.

@@ -54,6 +54,7 @@ from engine_server.hf_zamba2 import ZAMBA2_ARCHITECTURES, zamba2_config, zamba2_
 # Each served `model_type` and the family (`ModelConfig.architecture`) that serves it.
 _HF_ARCHITECTURES: dict[str, Architecture] = {
     "llama": "llama",
+    "diffllama": "llama",  # DiffLlama: Llama with differential attention (`layers.differential_attention`)
     "mistral": "llama",
     "internlm3": "llama",  # InternLM3: Llama (q/k/v/o biases by `qkv_bias`), dynamic NTK rope
     "iquestcoder": "llama",  # IQuest-Coder-V1: Llama
@@ -515,6 +516,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **minimax_fields(model_type, cfg),
         **minimax_m3_fields(model_type, cfg),
         **kolibri,
+        **_diffllama_fields(model_type, cfg),
         **xlstm_fields(model_type, cfg),
         **rwkv_fields(model_type, cfg),
         **beam_fields(model_type, cfg),
@@ -2282,3 +2284,14 @@ def _hunyuan_experts(cfg: dict[str, Any]) -> dict[str, Any]:
         shared_expert_intermediate_size=width,
         shared_expert_gated=False,
     )
+
+
+def _diffllama_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """DiffLlama's differential attention ({} for other families); ValueError for an odd count of KV heads (its
+    values split into two halves of them, as transformers refuses too)."""
+    if model_type != "diffllama":
+        return {}
+    kv_heads = int(cfg.get("num_key_value_heads") or cfg.get("num_attention_heads") or 32)
+    if kv_heads % 2:
+        raise ValueError(f"diffllama needs an even count of KV heads (its values in two halves); got {kv_heads}")
+    return {"differential_attention": True}

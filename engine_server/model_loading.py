@@ -216,6 +216,11 @@ def refuse_unserved(source: ModelSource, config: EngineConfig) -> None:
             raise ValueError("Kolibri-1.1's indexed attention is not served under tensor parallelism yet")
         if config.lora is not None:
             raise ValueError("LoRA adapters are not applied to Kolibri-1.1's indexed attention yet")
+    if model.differential_attention:  # its head halves pair across the ranks; its attention takes no adapters
+        if config.tensor_parallel_size > 1:
+            raise ValueError("DiffLlama's differential attention is not served under tensor parallelism yet")
+        if config.lora is not None:
+            raise ValueError("LoRA adapters are not applied to DiffLlama's differential attention yet")
     if model.mlstm is not None and config.lora is not None:  # (its mixer's projections take no adapters)
         raise ValueError("LoRA adapters are not applied to xLSTM's mLSTM layers yet")
     if model.rwkv is not None and config.lora is not None:
@@ -412,6 +417,10 @@ def _captures_decode_graphs(loaded: LoadedModel, config: EngineConfig) -> bool:
     if loaded.model_config.block_sparse is not None:
         # Its sparse layers choose between the kernels' attention and their own, which walks each sequence.
         log.warning("a model with block-sparse attention (MiniMax-M3) decodes eagerly: no CUDA graphs yet")
+        return False
+    if loaded.model_config.differential_attention:
+        # Its attention walks each sequence's keys in torch, from host lists.
+        log.warning("DiffLlama decodes eagerly: no CUDA graphs yet")
         return False
     if loaded.model_config.kolibri_index is not None:
         # Its indexed layers walk each sequence's keys from host lists.

@@ -148,6 +148,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "shared_expert_intermediate_size": 96, "norm_topk_prob": True, "pad_token_id": 0, "bos_token_id": 1,
          "eos_token_id": 2},
     ),
+    # DiffLlama: Llama's blocks with differential attention (4 heads in two halves over 2 KV heads whose values split
+    # in two, a learned lambda per layer).
+    "diffllama": ("DiffLlamaConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # Kolibri-1.1: Kolibri-1's layers, windowed ones with rope (0, 3) beside indexed ones without (1, 2, 4: the last
     # two over layer 1's K/V, layers 1 and 4 picking pools of 8 blocks of 4 keys past 32 keys), each indexed layer
     # keeping the best 8 keys of its pool beside 2 sinks and the last 4 (past 14 keys), scored by 2 query heads; a

@@ -16,6 +16,7 @@ from engine_server.config import LongRope, ModelConfig, NormedResiduals, Yarn
 from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.block_sparse_attention import BlockSparseAttention
 from engine_server.layers.compressed_attention import CompressedAttention
+from engine_server.layers.differential_attention import DifferentialAttention
 from engine_server.layers.gated_deltanet import GatedDeltaNet
 from engine_server.layers.kimi_delta import KimiDeltaAttention
 from engine_server.layers.kolibri_attention import KolibriIndexedAttention
@@ -97,6 +98,8 @@ class DecoderLayer(nn.Module):
             if config.kolibri_index is not None and index in config.kolibri_index.layers
             else MixtureOfAttention(config, dtype)
             if config.mixture_of_attention
+            else DifferentialAttention(config, dtype, tp, index)
+            if config.differential_attention
             else PagedSelfAttention(
                 config, dtype, o_proj_bias, tp, config.attention_window(index), config.uses_rope(index), index
             )

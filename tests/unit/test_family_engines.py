@@ -1213,6 +1213,18 @@ def test_minimax_m3_chunked_preempted_speculated_quantized_split_and_refusing_wh
         LLM(config=EngineConfig(model=str(folder), device="cpu", quantization="none", lora=LoraConfig()))
 
 
+def test_diffllama_chunked_preempted_on_int8_and_refusing_what_it_lacks(tmp_path: Path) -> None:
+    """DiffLlama (tests/families.py: differential attention in torch over the paged cache) keeps transformers' tokens
+    prefilled in 16-token chunks on a small pool (preempted); on int8 each prompt's tokens are the same alone and
+    batched and mostly agree with the float path's first tokens. Tensor parallelism and LoRA are refused saying so."""
+    folder = save_family(tmp_path, "diffllama", head_spread=1.0)
+    chunked_split_and_int8(folder, lambda model: model.model.layers[0].self_attn.qkv_proj, split=False)
+    with pytest.raises(ValueError, match="DiffLlama's differential attention is not served under tensor parallel"):
+        engine(folder, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="LoRA adapters are not applied to DiffLlama's differential attention"):
+        LLM(config=EngineConfig(model=str(folder), device="cpu", quantization="none", lora=LoraConfig()))
+
+
 def test_kolibri1_1_chunked_preempted_speculated_on_int8_and_refusing_what_it_lacks(tmp_path: Path) -> None:
     """Kolibri-1.1 (tests/families.py: indexed layers over one layer's K/V choosing from two pool layers' pools)
     keeps transformers' tokens prefilled in 16-token chunks on a small pool (preempted: a recomputed sequence's

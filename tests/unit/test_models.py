@@ -842,6 +842,9 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # RWKV-4: two blocks of time and channel mixes, the hidden state halved after each (transformers' inference
     # rescaling, every block).
     "rwkv": (transformers.RwkvConfig, {"rescale_every": 1, "context_length": 256}),
+    # DiffLlama: Llama's blocks with differential attention (4 heads in two halves, 2 KV heads whose values split in
+    # two, a learned lambda per layer).
+    "diffllama": (transformers.DiffLlamaConfig, {}),
     # LFM2: gated short convolutions (3 taps) on the first and last layers, attention with per-head q/k norms between.
     "lfm2": (transformers.Lfm2Config, {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"],
                                        "pad_token_id": 0}),
@@ -1107,6 +1110,7 @@ MODEL_CLASSES = {
     transformers.Qwen4ExpTextConfig: transformers.Qwen4ExpForCausalLM,
     transformers.Kolibri1_1Config: transformers.Kolibri1_1ForCausalLM,
     transformers.xLSTMConfig: transformers.xLSTMForCausalLM,
+    transformers.DiffLlamaConfig: transformers.DiffLlamaForCausalLM,
     transformers.RwkvConfig: transformers.RwkvForCausalLM,
     transformers.Gemma4TextConfig: transformers.Gemma4ForCausalLM,
     transformers.Gemma4UnifiedTextConfig: transformers.Gemma4UnifiedForCausalLM,
@@ -1924,6 +1928,7 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
          r"kolibri1_1: index_layers \[2\] must be indexed layers, the first among them"),
         ({"model_type": "kolibri1_1", "num_hidden_layers": 2, "head_dim": 16, "index_num_heads": 3,
           "layer_types": ["sliding_attention", "indexed_attention"]}, "3 index heads must be among key head 0's 2"),
+        ({"model_type": "diffllama", "num_key_value_heads": 1}, "diffllama needs an even count of KV heads"),
         ({"model_type": "xlstm", "use_bias": True}, "xlstm with use_bias"),
         ({"model_type": "xlstm", "weight_mode": "joint"}, "xlstm with weight_mode 'joint' is not supported"),
         ({"model_type": "xlstm", "add_out_norm": False}, "xlstm without add_out_norm is not supported"),
