@@ -21,8 +21,6 @@ its states of them, and the matching columns of `out_proj`, whose partial sums i
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,6 +28,7 @@ from torch import nn
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
 from engine_server.layers.gated_deltanet import advance_states
+from engine_server.layers.rowwise import rowwise
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, read_whole
@@ -140,11 +139,11 @@ class MLstmMixer(nn.Module):
             memory = row[:, :memory_size].view(-1, heads, dk, dv)
             normaliser = row[:, memory_size : memory_size + norm_size].view(-1, heads, dk)
             stabiliser = row[:, memory_size + norm_size :]
-            capped = _rowwise(lambda x: cap * torch.tanh(x / cap), gates.index_select(0, tokens))  # [A, 2, H]
-            log_forget = _rowwise(F.logsigmoid, capped[:, 1])
+            capped = rowwise(lambda x: cap * torch.tanh(x / cap), gates.index_select(0, tokens))  # [A, 2, H]
+            log_forget = rowwise(F.logsigmoid, capped[:, 1])
             top = torch.maximum(log_forget + stabiliser, capped[:, 0])
-            forget = _rowwise(torch.exp, log_forget + stabiliser - top)
-            write = _rowwise(torch.exp, capped[:, 0] - top)
+            forget = rowwise(torch.exp, log_forget + stabiliser - top)
+            write = rowwise(torch.exp, capped[:, 0] - top)
             key, value = keys.index_select(0, tokens), values.index_select(0, tokens)
             outer = key[..., :, None] @ value[..., None, :]
             memory = forget[..., None, None] * memory + write[..., None, None] * outer
@@ -152,20 +151,7 @@ class MLstmMixer(nn.Module):
             query = queries.index_select(0, tokens)
             numerator = (query[..., None, :] @ memory.to(q.dtype)).squeeze(-2).float()
             dot = (query[..., None, :] @ normaliser[..., :, None].to(q.dtype)).squeeze(-1).squeeze(-1)
-            denominator = torch.maximum(dot.abs(), _rowwise(torch.exp, -top)) + spec.eps
+            denominator = torch.maximum(dot.abs(), rowwise(torch.exp, -top)) + spec.eps
             out.index_copy_(0, tokens, (numerator / denominator[..., None]).to(q.dtype))
             state.index_copy_(0, rows, torch.cat((memory.flatten(1), normaliser.flatten(1), top), dim=1))
         return out
-
-
-_LANES = 16  # float32 values in the widest vector a CPU kernel may use (AVX-512)
-
-
-def _rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """`fn` (elementwise) of x `[A, ...]`, each row padded to a whole number of vectors first: torch's CPU kernels run a
-    tensor's scalar tail another way than its vectors, so a row's bits would otherwise depend on how many rows the
-    step holds (its batch)."""
-    flat = x.reshape(x.shape[0], -1)
-    width = flat.shape[1]
-    padded = F.pad(flat, (0, -width % _LANES))
-    return fn(padded)[:, :width].reshape(x.shape)

@@ -22,15 +22,13 @@ the channel mix's receptance are whole on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
 from engine_server.layers.norm import BiasedLayerNorm
+from engine_server.layers.rowwise import rowwise
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, read_whole
 from engine_server.parallel.sharding import PartSlice
@@ -174,23 +172,13 @@ class RwkvLayer(nn.Module):
             numerator, denominator, maximum = rows.index_select(0, index).view(-1, 3, channels).unbind(1)
             k, v = key.index_select(0, tokens).float(), value.index_select(0, tokens)
             top = torch.maximum(maximum, k + bonus)
-            old, new = _rowwise(torch.exp, maximum - top), _rowwise(torch.exp, k + bonus - top)
+            old, new = rowwise(torch.exp, maximum - top), rowwise(torch.exp, k + bonus - top)
             out.index_copy_(0, tokens, ((old * numerator + new * v) / (old * denominator + new)).to(key.dtype))
             top = torch.maximum(maximum + decay, k)
-            old, new = _rowwise(torch.exp, maximum + decay - top), _rowwise(torch.exp, k - top)
+            old, new = rowwise(torch.exp, maximum + decay - top), rowwise(torch.exp, k - top)
             advanced = (old * numerator + new * v, old * denominator + new, top)
             rows.index_copy_(0, index, torch.stack(advanced, dim=1).flatten(1))
         return out
-
-
-_LANES = 16  # float32 values in the widest vector a CPU kernel may use (AVX-512)
-
-
-def _rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """`fn` (elementwise) of x `[A, width]`, each row padded to a whole number of vectors first (torch's CPU kernels
-    run a tensor's scalar tail another way than its vectors)."""
-    width = x.shape[1]
-    return fn(F.pad(x, (0, -width % _LANES)))[:, :width]
 
 
 def _mix(x: torch.Tensor, shifted: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
