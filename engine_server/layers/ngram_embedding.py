@@ -16,6 +16,7 @@ ids below 2^24); a fresh sequence starts from zeros and a context of end-of-sequ
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -57,16 +58,20 @@ def _is_prime(value: int) -> bool:
 def head_table_sizes(base: int, first: int, count: int) -> list[int]:
     """The table sizes of `count` hash heads numbered from `first` across the model: head g's is the (g + 1)-th
     prime at or above `base`."""
-    sizes: list[int] = []
-    prime, number = base - 1, 0
-    while len(sizes) < count:
+    return list(_primes_from(base, first + count)[first:])
+
+
+@functools.cache
+def _primes_from(base: int, count: int) -> tuple[int, ...]:
+    """The first `count` primes at or above `base` (each layer's heads continue the numbering: computed once)."""
+    primes: list[int] = []
+    prime = base - 1
+    while len(primes) < count:
         prime += 1
         while not _is_prime(prime):
             prime += 1
-        if number >= first:
-            sizes.append(prime)
-        number += 1
-    return sizes
+        primes.append(prime)
+    return tuple(primes)
 
 
 class NgramTable(nn.Module):
