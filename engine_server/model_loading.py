@@ -396,47 +396,9 @@ def _captures_decode_graphs(loaded: LoadedModel, config: EngineConfig) -> bool:
         return False
     if loaded.model_config.encoder:
         return False  # an encoder never decodes
-    if loaded.model_config.recurrent is not None:
-        # Its layers pick each row's state slot and chunk form from host lists every step.
-        log.warning("a model with recurrent layers (Qwen3-Next, Qwen3.5, LFM2, Granite 4.0, Nemotron-H, Jamba, "
-                    "Mamba, MiniMax-01) decodes eagerly: no CUDA graphs yet")
-        return False
-    if loaded.model_config.attention_chunk and loaded.max_model_len > loaded.model_config.attention_chunk:
-        # Llama 4's rope layers split each step's sequences at their chunks from host lists (a MoE model anyway).
-        log.warning("a model attending within chunks (Llama 4) decodes eagerly: no CUDA graphs yet")
-        return False
-    if loaded.model_config.sparse_indexer is not None:
-        # Its layers choose between dense and gathered attention, and walk each sequence, from host lists.
-        log.warning("a model with sparse attention (DeepSeek-V3.2, GLM-5) decodes eagerly: no CUDA graphs yet")
-        return False
-    if loaded.model_config.alibi:
-        # Its attention on a GPU is the Triton kernel's (Falcon-RW's in torch, from host lists): graphs over it are
-        # to be checked on a GPU first.
-        log.warning("a model with ALiBi (BLOOM, MPT, Falcon-RW) decodes eagerly: no CUDA graphs yet")
-        return False
-    if loaded.model_config.block_sparse is not None:
-        # Its sparse layers choose between the kernels' attention and their own, which walks each sequence.
-        log.warning("a model with block-sparse attention (MiniMax-M3) decodes eagerly: no CUDA graphs yet")
-        return False
-    if loaded.model_config.differential_attention:
-        # Its attention walks each sequence's keys in torch, from host lists.
-        log.warning("DiffLlama decodes eagerly: no CUDA graphs yet")
-        return False
-    if loaded.model_config.kolibri_index is not None:
-        # Its indexed layers walk each sequence's keys from host lists.
-        log.warning("Kolibri-1.1 decodes eagerly: no CUDA graphs yet")
-        return False
-    if loaded.model_config.qwen4_exp is not None:
-        # Its QSA layers choose between the kernels' attention and their own, its n-gram layers walk each sequence.
-        log.warning("Qwen4-Exp decodes eagerly: no CUDA graphs yet")
-        return False
-    if loaded.model_config.compressed_attention is not None:
-        # Its layers walk each sequence, and pool the windows a step closes, from host lists.
-        log.warning("a model with compressed attention (DeepSeek-V4) decodes eagerly: no CUDA graphs yet")
-        return False
-    if loaded.model_config.num_experts:
-        # Each expert's GEMM is sized by the tokens routed to it, which a recorded graph cannot follow.
-        log.warning("a mixture-of-experts model decodes eagerly: its expert GEMMs are not recorded in CUDA graphs")
+    why = _eager_reason(loaded)
+    if why is not None:
+        log.warning(why)
         return False
     if not loaded.tp.capturable:
         log.warning("this tensor-parallel group's collectives cannot be recorded in CUDA graphs: decode runs eagerly")
@@ -446,6 +408,38 @@ def _captures_decode_graphs(loaded: LoadedModel, config: EngineConfig) -> bool:
         log.warning("triton is unavailable: decode steps run eagerly on the torch reference ops")
         return False
     return True
+
+
+def _eager_reason(loaded: LoadedModel) -> str | None:
+    """Why `loaded`'s decode steps cannot be recorded in CUDA graphs (its layers read host lists every step, or its
+    GEMMs' shapes follow the routing), the first that applies; None when nothing in its shape stops them."""
+    model = loaded.model_config
+    reasons = (
+        # (each row's state slot and chunk form picked from host lists every step)
+        (model.recurrent is not None, "a model with recurrent layers (Qwen3-Next, Qwen3.5, Qwen4-Exp, LFM2, Granite "
+         "4.0, Nemotron-H, Jamba, Mamba, Zamba, MiniMax-01, xLSTM, RWKV) decodes eagerly: no CUDA graphs yet"),
+        # (Llama 4's rope layers split each step's sequences at their chunks from host lists; a MoE model anyway)
+        (bool(model.attention_chunk) and loaded.max_model_len > model.attention_chunk,
+         "a model attending within chunks (Llama 4) decodes eagerly: no CUDA graphs yet"),
+        # (dense or gathered attention chosen, each sequence walked, from host lists)
+        (model.sparse_indexer is not None,
+         "a model with sparse attention (DeepSeek-V3.2, GLM-5) decodes eagerly: no CUDA graphs yet"),
+        # (the Triton kernel's on a GPU, Falcon-RW's in torch from host lists: graphs over it to be checked on a GPU)
+        (bool(model.alibi), "a model with ALiBi (BLOOM, MPT, Falcon-RW) decodes eagerly: no CUDA graphs yet"),
+        # (the kernels' attention or its own, which walks each sequence)
+        (model.block_sparse is not None,
+         "a model with block-sparse attention (MiniMax-M3) decodes eagerly: no CUDA graphs yet"),
+        # (each sequence's keys walked in torch from host lists)
+        (model.differential_attention, "DiffLlama decodes eagerly: no CUDA graphs yet"),
+        (model.kolibri_index is not None, "Kolibri-1.1 decodes eagerly: no CUDA graphs yet"),
+        # (each sequence walked, and the windows a step closes pooled, from host lists)
+        (model.compressed_attention is not None,
+         "a model with compressed attention (DeepSeek-V4) decodes eagerly: no CUDA graphs yet"),
+        # (each expert's GEMM sized by the tokens routed to it, which a recorded graph cannot follow)
+        (bool(model.num_experts),
+         "a mixture-of-experts model decodes eagerly: its expert GEMMs are not recorded in CUDA graphs"),
+    )  # fmt: skip
+    return next((why for applies, why in reasons if applies), None)
 
 
 @torch.inference_mode()

@@ -229,16 +229,9 @@ def _paged_attention(
     `reference.alibi_attention`'s BLOOM and MPT bias; not with a cap)."""
     _check_arguments(q, kv_cache, meta)
     if sinks is not None:
-        check_dtype("sinks", sinks, (torch.float32,))
-        check_same_device(q=q, sinks=sinks)
-        if sinks.shape != (q.shape[1],) or not sinks.is_contiguous():
-            raise ValueError(f"sinks must be a contiguous [{q.shape[1]}] (a logit per query head); got {sinks.shape}")
+        _check_per_head("sinks", sinks, q, "a logit per query head")
     if alibi_slopes is not None:
-        check_dtype("alibi_slopes", alibi_slopes, (torch.float32,))
-        check_same_device(q=q, alibi_slopes=alibi_slopes)
-        if alibi_slopes.shape != (q.shape[1],) or not alibi_slopes.is_contiguous() or softcap > 0:
-            raise ValueError(f"alibi_slopes must be a contiguous [{q.shape[1]}] (a slope per query head), without a "
-                             f"cap; got {tuple(alibi_slopes.shape)}")  # fmt: skip
+        _check_per_head("alibi_slopes", alibi_slopes, q, "a slope per query head, and no cap beside them", softcap == 0)
     _, _, block_size, kv_heads, _ = kv_cache.shape
     head_dim = kv_cache_head_dim(kv_cache)
     tokens, heads, _ = q.shape
@@ -311,6 +304,15 @@ def alibi_attention(
     if falcon:
         return reference.alibi_attention(q, kv_cache, meta, scale, slopes, falcon)
     return _paged_attention(q, kv_cache, meta, scale, alibi_slopes=slopes)
+
+
+def _check_per_head(name: str, values: torch.Tensor, q: torch.Tensor, what: str, allowed: bool = True) -> None:
+    """ValueError unless `values` is a contiguous float32 `[H]` on q's device (one value per query head of q `[T, H,
+    D]`, `what` each) and `allowed`."""
+    check_dtype(name, values, (torch.float32,))
+    check_same_device(q=q, **{name: values})
+    if values.shape != (q.shape[1],) or not values.is_contiguous() or not allowed:
+        raise ValueError(f"{name} must be a contiguous [{q.shape[1]}] ({what}); got {tuple(values.shape)}")
 
 
 def _head_splits(group: int, rows: int) -> int:

@@ -128,10 +128,8 @@ class BlockSparseAttention(PagedSelfAttention):
                 continue
             kept_keys = min(self.spec.topk_blocks, 1 + (seq_len - 1) // self.spec.block_size) * self.spec.block_size
             table = meta.block_tables[row, : -(-seq_len // cache_block)].long()
-            index_rows = kv_cache[0, table, :, self.num_kv_heads]  # [blocks, block_size, row]: the index head's
-            if is_fp8_kv_cache(kv_cache):
-                index_rows = fp8_kv_values(index_rows, q.dtype)
-            index_keys = index_rows.reshape(-1, index_rows.shape[-1])[:seq_len, : self.spec.index_head_dim]
+            index_keys = cached_index_keys(kv_cache, table, self.num_kv_heads, seq_len, self.spec.index_head_dim,
+                                           q.dtype)  # fmt: skip
             per_query = 4 * (self.indexer.heads * seq_len + 2 * self.num_heads * kept_keys * self.head_dim)
             step = max(1, _CHUNK_BYTES // per_query)
             for begin in range(0, query_len, step):
@@ -183,6 +181,17 @@ def write_with_index_keys(
     row = F.pad(index_keys, (0, k.shape[-1] - index_keys.shape[-1])).to(k.dtype).unsqueeze(1)
     ops.write_kv_cache(torch.cat((k, row), dim=1), torch.cat((v, torch.zeros_like(row)), dim=1), kv_cache,
                        meta.slot_mapping)  # fmt: skip
+
+
+def cached_index_keys(
+    kv_cache: torch.Tensor, table: torch.Tensor, index_head: int, length: int, dim: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """A sequence's index keys `[length, dim]` in `dtype` (FP8 rows decoded), read from the key half's head
+    `index_head` of its blocks `table` of `kv_cache` (`write_with_index_keys`' rows)."""
+    rows = kv_cache[0, table, :, index_head]  # [blocks, block_size, row]
+    if is_fp8_kv_cache(kv_cache):
+        rows = fp8_kv_values(rows, dtype)
+    return rows.reshape(-1, rows.shape[-1])[:length, :dim]
 
 
 def attend_short_ones(

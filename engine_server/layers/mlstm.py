@@ -28,7 +28,7 @@ from torch import nn
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
 from engine_server.layers.gated_deltanet import advance_states
-from engine_server.layers.rowwise import rowwise
+from engine_server.layers.rowwise import recurrence_steps, rowwise
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, read_whole
@@ -125,16 +125,11 @@ class MLstmMixer(nn.Module):
         out = q.new_empty(q.shape[0], heads, dv)
         queries = q.view(-1, heads, dk) * dk**-0.5
         keys, values = k.view(-1, heads, dk).float(), v.view(-1, heads, dv).float()
-        lens = meta.query_lens_cpu
-        starts = [sum(lens[:i]) for i in range(len(lens))]
         for slot, is_fresh in zip(slots, fresh, strict=True):
             if is_fresh:
                 state[slot].zero_()
         memory_size, norm_size = heads * dk * dv, heads * dk
-        for step in range(max(lens)):
-            active = [i for i, count in enumerate(lens) if count > step]
-            rows = torch.tensor([slots[i] for i in active], device=state.device)
-            tokens = torch.tensor([starts[i] + step for i in active], device=state.device)
+        for rows, tokens in recurrence_steps(slots, meta.query_lens_cpu, state.device):
             row = state.index_select(0, rows)
             memory = row[:, :memory_size].view(-1, heads, dk, dv)
             normaliser = row[:, memory_size : memory_size + norm_size].view(-1, heads, dk)

@@ -27,12 +27,16 @@ from torch import nn
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig, Qwen4Exp
 from engine_server.layers.attention import PagedSelfAttention
-from engine_server.layers.block_sparse_attention import attend_positions, attend_short_ones, write_with_index_keys
+from engine_server.layers.block_sparse_attention import (
+    attend_positions,
+    attend_short_ones,
+    cached_index_keys,
+    write_with_index_keys,
+)
 from engine_server.layers.norm import RMSNorm
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import TensorParallel
 from ladle_kernels.kernel_set import KernelOps
-from ladle_kernels.reference import fp8_kv_values, is_fp8_kv_cache
 
 _CHUNK_BYTES = 1 << 26  # the most float32 bytes one chunk of a sequence's queries scores at once
 
@@ -139,10 +143,7 @@ class QsaAttention(PagedSelfAttention):
                 start += query_len
                 continue
             table = meta.block_tables[row, : -(-seq_len // cache_block)].long()
-            index_rows = kv_cache[0, table, :, self.num_kv_heads]  # [blocks, block_size, row]: the index head's
-            if is_fp8_kv_cache(kv_cache):
-                index_rows = fp8_kv_values(index_rows, q.dtype)
-            raw = index_rows.reshape(-1, index_rows.shape[-1])[:seq_len, : self.spec.index_head_dim]
+            raw = cached_index_keys(kv_cache, table, self.num_kv_heads, seq_len, self.spec.index_head_dim, q.dtype)
             blocks = self.indexer.block_keys(raw, ratio, cos_sin_cache, ops)
             per_query = 4 * (self.indexer.heads * max(1, blocks.shape[0]) + 2 * self.num_heads * kept * self.head_dim)
             step = max(1, _CHUNK_BYTES // per_query)

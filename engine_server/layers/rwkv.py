@@ -28,7 +28,7 @@ from torch import nn
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
 from engine_server.layers.norm import BiasedLayerNorm
-from engine_server.layers.rowwise import rowwise
+from engine_server.layers.rowwise import recurrence_steps, rowwise
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, read_whole
 from engine_server.parallel.sharding import PartSlice
@@ -164,11 +164,7 @@ class RwkvLayer(nn.Module):
         decay = -torch.exp(mixes.get_parameter("time_decay").float())
         bonus = mixes.get_parameter("time_first").float()
         out = torch.empty_like(key)
-        starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
-        for step in range(max(query_lens)):
-            active = [i for i, count in enumerate(query_lens) if count > step]
-            index = torch.tensor([slots[i] for i in active], device=key.device)
-            tokens = torch.tensor([starts[i] + step for i in active], device=key.device)
+        for index, tokens in recurrence_steps(slots, query_lens, key.device):
             numerator, denominator, maximum = rows.index_select(0, index).view(-1, 3, channels).unbind(1)
             k, v = key.index_select(0, tokens).float(), value.index_select(0, tokens)
             top = torch.maximum(maximum, k + bonus)
