@@ -29,6 +29,21 @@ _O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = (
 
 
 @dataclass(frozen=True)
+class MultimodalCheckpoint:
+    """A multimodal checkpoint (`model_type`: Gemma 3's, Qwen2.5-VL's, ...) whose text model alone is served: the
+    weight prefixes of what sits beside it (`towers`: vision and audio towers, projectors), not read, and the text
+    model's layers a text prompt skips (`dropped_layers`, by checkpoint index: Llama 3.2 Vision's cross-attention
+    layers), the others numbered on without them. `hidden_first_banks`: (hidden size, an expert's width) of a
+    checkpoint whose expert banks may be stored hidden-first, `gate_up_proj` `[E, H, 2 * I]` and `down_proj`
+    `[E, I, H]` (Qwen3-VL-MoE as released), transposed at load where their shapes say so, as transformers does."""
+
+    model_type: str
+    towers: tuple[str, ...]
+    dropped_layers: tuple[int, ...] = ()
+    hidden_first_banks: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
 class RopeScaling:
     """Llama-3 style rope frequency scaling (rope_type "llama3"); other types are refused at load."""
 
@@ -831,6 +846,8 @@ class ModelConfig:
     # Apertus 1.5: an LM head of the vocabulary's first `output_vocab_size` rows alone (its text tokens; 0: every
     # row), the logits of the others -inf, so the logits keep the vocabulary's width.
     output_vocab_size: int = 0
+    # A multimodal checkpoint's text model (`hf_multimodal`): its weights read under text-only names, its towers not.
+    multimodal: MultimodalCheckpoint | None = None
     # DeepSeek-V3 (and Kimi K2, Mistral 4): multi-head latent attention (`head_dim` is then the cache's, a latent
     # and its rope key, under one KV head: `layers.mla`), and its router (`grouped_router`,
     # `layers.moe.GroupedTopkRouter`): sigmoid scores (`moe_scoring`; Mistral 4's softmax), a learned bias added to

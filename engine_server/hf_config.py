@@ -41,6 +41,7 @@ from engine_server.hf_longcat import LONGCAT_ARCHITECTURES, longcat_config, long
 from engine_server.hf_mamba import MAMBA_ARCHITECTURES, mamba_config, mamba_fields
 from engine_server.hf_minimax import MINIMAX_ARCHITECTURES, minimax_config, minimax_fields
 from engine_server.hf_minimax_m3 import MINIMAX_M3_ARCHITECTURES, minimax_m3_config, minimax_m3_fields
+from engine_server.hf_multimodal import MULTIMODAL_ARCHITECTURES, MULTIMODAL_NOT_SERVED, multimodal_text_config
 from engine_server.hf_qwen4_exp import QWEN4_EXP_ARCHITECTURES, qwen4_exp_config, qwen4_exp_fields
 from engine_server.hf_recurrent_gemma import (
     RECURRENT_GEMMA_ARCHITECTURES,
@@ -267,9 +268,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
 # Gemma 4's assistants: drafters for a Gemma 4 target (speculative decoding), read by `_gemma4_assistant_config`.
 _ASSISTANTS = ("gemma4_assistant", "gemma4_unified_assistant")
 # Families people ask for that this engine does not serve yet, and what it lacks for them: the refusal says so.
-_NOT_YET: dict[str, str] = {
-    "gemma3": "the multimodal Gemma 3's vision tower is not implemented; its text model (gemma3_text) is served",
-}
+_NOT_YET: dict[str, str] = {**MULTIMODAL_NOT_SERVED}
 # Families whose attention RMS-normalises q and k (each head, or OLMoE's and OLMo 2's whole projection) before rope.
 _QK_NORM_FAMILIES: tuple[Architecture, ...] = (
     "qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4", "gemma3n", "minimax_m2", "lfm2",
@@ -286,10 +285,16 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     """The `ModelConfig` of a Hugging Face `config.json` dict (transformers 4.x or 5.x layout), named `name`;
     ValueError naming what is not served."""
     model_type = cfg.get("model_type", "llama")
+    if model_type in MULTIMODAL_ARCHITECTURES:  # its text model, read as its family's own (`hf_multimodal`)
+        text, checkpoint = multimodal_text_config(cfg)
+        if text.get("model_type") in MULTIMODAL_ARCHITECTURES:
+            raise ValueError(f"{model_type} text_config model_type {text['model_type']!r} is not a text model")
+        return dataclasses.replace(model_config_from_hf(text, name), multimodal=checkpoint)
     if model_type not in _HF_ARCHITECTURES and model_type not in _ASSISTANTS:
         why = _NOT_YET.get(model_type, "no family of this engine implements it")
         raise ValueError(
-            f"unsupported model_type {model_type!r} ({why}); supported: {', '.join(sorted(_HF_ARCHITECTURES))}"
+            f"unsupported model_type {model_type!r} ({why}); supported: "
+            f"{', '.join(sorted({*_HF_ARCHITECTURES, *MULTIMODAL_ARCHITECTURES}))}"
         )
     if model_type == "bert":
         return _encoder_config(cfg, name)

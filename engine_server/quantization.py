@@ -274,12 +274,12 @@ def stored_fp8_weights(model: CausalLM, source: ModelSource) -> tuple[dict[str, 
 
 def _as_loaded(model: CausalLM, folder: Path, names: frozenset[str]) -> Iterator[tuple[str, str]]:
     """(checkpoint name, the name `model` loads it under) of each of `names` (tensors of `folder`'s checkpoint) that
-    `model.checkpoint_weights` passes on unchanged, its tower's weights and any it reorders or derives left out.
+    `model.read_checkpoint` passes on unchanged, its tower's weights and any it reorders or derives left out.
     Every tensor goes through (a family may join two: AFMoE's query and gate), none is read (unread `LazyTensor`s,
     followed by identity)."""
     unread = list(iter_lazy_safetensors(folder))
     origin = {id(tensor): name for name, tensor in unread if name in names}
-    for ours, tensor in model.checkpoint_weights(unread):
+    for ours, tensor in model.read_checkpoint(unread):
         name = origin.get(id(tensor))
         if name is not None:
             yield name, ours

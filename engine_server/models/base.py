@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
-from engine_server.config import ModelConfig
+from engine_server.config import ModelConfig, MultimodalCheckpoint
 from engine_server.layers.decoder import DecoderModel
 from engine_server.layers.hyper_connections import HyperConnectedDecoderModel
 from engine_server.layers.kernel_choice import select_ops
@@ -52,6 +52,9 @@ _PART_INDEX = {shard: [s for f, _, s in FUSED_SHARDS if f == fused].index(shard)
 _BARE_DECODER_PREFIXES = ("layers.", "embed_tokens.", "norm.")
 # A multimodal checkpoint's text model (`text_model_weights`): transformers 5's prefix, and the earlier one.
 _LANGUAGE_MODEL, _EARLIER_LANGUAGE_MODEL = "model.language_model.", "language_model."
+# Idefics 2 and 3's (and SmolVLM's) text model, and a layer's tensor (`multimodal_text_weights`).
+_IDEFICS_TEXT_MODEL = "model.text_model."
+_LAYER = re.compile(r"model\.layers\.(?P<index>\d+)\.(?P<rest>.+)")
 # Buffers some older checkpoints carry; we derive them from the config instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # One expert's projection of a mixture of experts: `<block>.experts.<e>.<proj>.weight` (`ParallelExperts`), or its
@@ -81,6 +84,39 @@ def text_model_weights(
             yield "model." + name.removeprefix(_LANGUAGE_MODEL), tensor
         else:
             yield name.removeprefix(_EARLIER_LANGUAGE_MODEL), tensor
+
+
+def multimodal_text_weights(
+    weights: Iterable[tuple[str, CheckpointTensor]], checkpoint: MultimodalCheckpoint
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    """A multimodal checkpoint's text model (`hf_multimodal`) under the names of a text-only one: its
+    `model.language_model.` or `language_model.` tensors as `text_model_weights` reads them, Idefics's
+    `model.text_model.X` as `model.X`; its towers left out, as are the layers it drops, the others numbered on
+    without them (Llama 3.2 Vision's layer 4 after a dropped layer 3 is layer 3)."""
+    dropped = checkpoint.dropped_layers
+    for name, tensor in text_model_weights(weights, checkpoint.towers):
+        if name.startswith(_IDEFICS_TEXT_MODEL):
+            name = "model." + name.removeprefix(_IDEFICS_TEXT_MODEL)
+        if checkpoint.hidden_first_banks is not None and _is_hidden_first(name, tensor, checkpoint.hidden_first_banks):
+            tensor = reordered_tensor(tensor, lambda t: t.transpose(1, 2).contiguous(), transposed=True)
+        layer = _LAYER.match(name) if dropped else None
+        if layer is not None:
+            index = int(layer["index"])
+            if index in dropped:
+                continue
+            name = f"model.layers.{index - sum(d < index for d in dropped)}.{layer['rest']}"
+        yield name, tensor
+
+
+def _is_hidden_first(name: str, tensor: CheckpointTensor, widths: tuple[int, int]) -> bool:
+    """Whether `name` is a bank stored hidden-first (`gate_up_proj` `[E, H, 2 * I]`, `down_proj` `[E, I, H]`) for
+    `widths` (H, I): its shape is that and not the expert-rows-first one."""
+    hidden, width = widths
+    if name.endswith(".experts.gate_up_proj"):
+        return tuple(tensor.shape[1:]) == (hidden, 2 * width) != (2 * width, hidden)
+    if name.endswith(".experts.down_proj"):
+        return tuple(tensor.shape[1:]) == (width, hidden) != (hidden, width)
+    return False
 
 
 def expert_weight(name: str) -> tuple[str, int, str] | None:
@@ -193,10 +229,19 @@ class CausalLM(nn.Module):
         an FP8 checkpoint's weights taken as stored (`quantization.stored_fp8_weights`), rely on it."""
         return weights
 
+    def read_checkpoint(
+        self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
+    ) -> Iterable[tuple[str, CheckpointTensor]]:
+        """`checkpoint_weights` of a checkpoint's tensors, a multimodal checkpoint's text model first read under a
+        text-only one's names (`multimodal_text_weights`, where `ModelConfig.multimodal` is set)."""
+        if self.config.multimodal is not None:
+            weights = multimodal_text_weights(weights, self.config.multimodal)
+        return self.checkpoint_weights(weights, replaced)
+
     def load_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
     ) -> None:
-        """Copy Hugging Face-named tensors in (after `checkpoint_weights`), fusing q/k/v and gate/up; raise
+        """Copy Hugging Face-named tensors in (after `read_checkpoint`), fusing q/k/v and gate/up; raise
         ValueError on any mismatch.
 
         Every parameter (and every shard of a fused one) must be provided exactly as shaped; unknown names are
@@ -221,7 +266,7 @@ class CausalLM(nn.Module):
         """
         modules = dict(self.named_modules())
         loaded: set[tuple[str, str]] = set()
-        for name, tensor in self.checkpoint_weights(weights, replaced):
+        for name, tensor in self.read_checkpoint(weights, replaced):
             if name.startswith(_BARE_DECODER_PREFIXES):
                 name = f"model.{name}"
             if name.endswith(_IGNORED_SUFFIXES) or (self.config.tie_word_embeddings and name == "lm_head.weight"):

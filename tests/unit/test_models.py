@@ -1893,7 +1893,7 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
          "gpt2 with scale_attn_by_inverse_layer_idx is not supported"),
         ({"model_type": "gpt_neox", "hidden_act": "relu", "num_attention_heads": 4, "hidden_size": 64},
          "gpt_neox hidden_act 'relu' is not supported"),
-        ({"model_type": "gemma3"}, r"multimodal Gemma 3's vision tower .* its text model \(gemma3_text\) is served"),
+        ({"model_type": "paligemma"}, r"PaliGemma attends both ways over its whole prompt \(a prefix LM\)"),
         ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
         ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ({"model_type": "gemma3_text", "sliding_window": None}, "gemma3_text without a sliding_window"),

@@ -1,0 +1,81 @@
+"""The vision-language (and speech) checkpoints whose text model the engine serves on text prompts: Gemma 3 (4B to
+27B), Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE, LLaVA (1.5, NeXT, NeXT-Video, OneVision), Llama 3.2 Vision,
+InternVL, Idefics 2 and 3, SmolVLM, Aya Vision, Command A Vision, LFM2-VL, GLM-4.1V / 4.5V and Voxtral.
+
+Their `config.json` is read as transformers reads it (its composite config class: a released config states only what
+differs from the class's defaults, and early ones are flat, the text model's keys at the top level), and the text
+model's config (`text_config`) is read as the family's own, under the embedding tie of the composite model (the one
+transformers ties the LM head by). The towers and projectors beside the text model are not read; images and audio are
+not served (the gateway refuses such content by name).
+
+A text prompt takes the text model alone in each of these: the M-RoPE of the Qwen-VL and GLM-V families turns a text
+token's three position components, all its one position, as plain rope does; Llama 3.2 Vision skips its
+cross-attention layers without an image (`MultimodalCheckpoint.dropped_layers`), its head the first `vocab_size` rows
+of an embedding 8 rows longer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine_server.config import MultimodalCheckpoint
+
+# A multimodal checkpoint's names for its text model's families, and the family the engine reads each as.
+_TEXT_FAMILIES = {
+    "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe",
+    "mllama_text_model": "llama", "glm4v_text": "glm4", "glm4v_moe_text": "glm4_moe",
+}  # fmt: skip
+# What sits beside the text model in each such checkpoint, by weight prefix (transformers 5's layout, then the one
+# the checkpoints were released in), none of it read.
+_TOWERS = (
+    "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.",
+    "model.visual.", "visual.", "model.vision_model.", "vision_model.", "model.connector.", "connector.",
+    "model.image_newline", "image_newline", "model.audio_tower.", "audio_tower.",
+)  # fmt: skip
+# The multimodal model types whose text model is served.
+MULTIMODAL_ARCHITECTURES = frozenset({
+    "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "llava_next", "llava_next_video",
+    "llava_onevision", "mllama", "internvl", "idefics2", "idefics3", "smolvlm", "aya_vision", "cohere2_vision",
+    "lfm2_vl", "glm4v", "glm4v_moe", "voxtral",
+})  # fmt: skip
+# Multimodal model types people ask for whose text model alone is not what they are (the refusal says why).
+MULTIMODAL_NOT_SERVED = {
+    "paligemma": "PaliGemma attends both ways over its whole prompt (a prefix LM), which this engine does not serve",
+    "florence2": "Florence-2 is an encoder-decoder model, which this engine does not serve",
+}
+
+
+def multimodal_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], MultimodalCheckpoint]:
+    """The text model's config (as a text-only checkpoint's `config.json` would state it, every default filled in)
+    of a multimodal `config.json` of `MULTIMODAL_ARCHITECTURES`, and what its checkpoint holds beside it; ValueError
+    for one transformers cannot read."""
+    from transformers import CONFIG_MAPPING  # (only for these checkpoints: it imports every config class)
+
+    model_type = cfg["model_type"]
+    try:
+        composite = CONFIG_MAPPING[model_type].from_dict(cfg)
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{model_type} config.json cannot be read: {error}") from None
+    text = composite.get_text_config(decoder=True).to_dict()
+    stated = cfg.get("text_config") or {}
+    for key in ("eos_token_id", "bos_token_id"):  # the text model's own where it states one, else the top level's
+        if stated.get(key) is None and cfg.get(key) is not None:
+            text[key] = cfg[key]
+    tie = getattr(composite, "tie_word_embeddings", None)
+    text["tie_word_embeddings"] = bool(text.get("tie_word_embeddings") if tie is None else tie)
+    text_type = str(text.get("model_type"))
+    text["model_type"] = _TEXT_FAMILIES.get(text_type, text_type)
+    if text_type in ("glm4v_text", "glm4v_moe_text"):  # rope over the whole head unless its parameters say less
+        rope = dict(text.get("rope_parameters") or {})
+        text["rope_parameters"] = {**rope, "partial_rotary_factor": rope.get("partial_rotary_factor", 1.0)}
+    if text_type == "qwen3_vl_moe_text":  # its router always renormalises the chosen experts' weights
+        text["norm_topk_prob"] = True
+    dropped: tuple[int, ...] = ()
+    banks: tuple[int, int] | None = None
+    if text_type == "qwen3_vl_moe_text":  # released with its banks hidden-first (transformers transposes them)
+        banks = (int(text["hidden_size"]), int(text["moe_intermediate_size"]))
+    if text_type == "mllama_text_model":
+        dropped = tuple(sorted(int(i) for i in text.get("cross_attention_layers") or ()))
+        text = {**text, "num_hidden_layers": int(text["num_hidden_layers"]) - len(dropped),
+                "vocab_size": int(text["vocab_size"]) + 8, "output_vocab_size": int(text["vocab_size"])}  # fmt: skip
+    return text, MultimodalCheckpoint(model_type, _TOWERS, dropped, banks)
