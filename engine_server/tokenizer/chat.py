@@ -18,6 +18,9 @@ from engine_server.errors import ModelTemplateError, ValidationError
 # Extra template variables a request may set; anything else (notably a template of its own) is refused.
 ALLOWED_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort"})
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+# A turn's text no template writes of itself (`content_as_parts`), and what each template was found to take.
+_CONTENT_PROBE = "ladle-content-probe-5f1c"
+_PARTS_TEMPLATES: dict[str, bool] = {}
 
 
 @dataclass(frozen=True)
@@ -61,10 +64,15 @@ def _arguments(call: ChatToolCall, as_text: bool) -> Any:
         return raw
 
 
-def _message_dict(message: ChatMessage, text_arguments: bool = False) -> dict[str, Any]:
+def _message_dict(message: ChatMessage, text_arguments: bool = False, parts: bool = False) -> dict[str, Any]:
+    """A turn as templates take it; its content a list of OpenAI's text parts (one, or none for no text) where
+    `parts`, else the string."""
     if message.role not in CHAT_ROLES:
         raise ValidationError(f"unknown chat role {message.role!r}; expected one of {sorted(CHAT_ROLES)}", "messages")
-    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    content: Any = message.content
+    if parts:
+        content = [{"type": "text", "text": message.content}] if message.content else []
+    out: dict[str, Any] = {"role": message.role, "content": content}
     if message.tool_calls:
         out["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c, text_arguments)}}
@@ -75,6 +83,30 @@ def _message_dict(message: ChatMessage, text_arguments: bool = False) -> dict[st
     if message.name:
         out["name"] = message.name
     return out
+
+
+def content_as_parts(tokenizer: Any) -> bool:
+    """Whether the model's chat template reads a turn's content as OpenAI's list of parts alone (LLaVA's and
+    Idefics's: `for part in message['content']`), so that a string's text would not reach the prompt: a probe turn
+    rendered as a string does not show, as one text part it does (vLLM's "openai" content format, which it finds
+    in the template's syntax). Worked out once per template."""
+    template = getattr(tokenizer, "chat_template", None)
+    key = repr(template)
+    if key not in _PARTS_TEMPLATES:
+        as_string = _probe(tokenizer, _CONTENT_PROBE)
+        _PARTS_TEMPLATES[key] = _CONTENT_PROBE not in as_string and _CONTENT_PROBE in _probe(
+            tokenizer, [{"type": "text", "text": _CONTENT_PROBE}]
+        )
+    return _PARTS_TEMPLATES[key]
+
+
+def _probe(tokenizer: Any, content: Any) -> str:
+    """The template's rendering of one user turn of `content`; "" where it fails."""
+    try:
+        return str(tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                 add_generation_prompt=True))  # fmt: skip
+    except Exception:  # a template that cannot take this form renders none of it
+        return ""
 
 
 def render_chat(
@@ -106,9 +138,11 @@ def render_chat(
         for t in tools
     ]
 
+    parts = content_as_parts(tokenizer)
+
     def apply(text_arguments: bool) -> Any:
         return tokenizer.apply_chat_template(
-            [_message_dict(m, text_arguments) for m in messages],
+            [_message_dict(m, text_arguments, parts) for m in messages],
             tools=tool_dicts or None,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,

@@ -7,13 +7,17 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+# The file a multimodal processor keeps its chat template in (transformers' tokenizers do not read it).
+PROCESSOR_CHAT_TEMPLATE = "chat_template.json"
+
 
 def load_tokenizer(path: Path, chat_template: str | None = None) -> PreTrainedTokenizerFast:
     """Load the fast tokenizer saved in `path` (a `ModelSource.tokenizer_path`).
 
     Raises `ValueError` if the folder holds no usable fast tokenizer. The chat template, if the folder has one
-    (`chat_template.jinja` or inside `tokenizer_config.json`), is available as `tokenizer.chat_template`;
-    `chat_template` (the text of one) replaces it.
+    (`chat_template.jinja` or inside `tokenizer_config.json`, else a multimodal processor's `chat_template.json`,
+    where LLaVA's and Idefics's checkpoints keep theirs), is available as `tokenizer.chat_template`; `chat_template`
+    (the text of one) replaces it.
     """
     try:
         if _generic_fast_tokenizer(path):
@@ -25,9 +29,21 @@ def load_tokenizer(path: Path, chat_template: str | None = None) -> PreTrainedTo
         raise ValueError(f"cannot load a tokenizer from {path}: {exc}") from exc
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise ValueError(f"tokenizer in {path} is not a fast (tokenizers-backed) tokenizer")
+    if chat_template is None and not tokenizer.chat_template:
+        chat_template = _processor_chat_template(path)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def _processor_chat_template(path: Path) -> str | None:
+    """The chat template a multimodal processor saved beside the tokenizer (`chat_template.json`'s
+    `chat_template`), None without one."""
+    try:
+        template = json.loads((path / PROCESSOR_CHAT_TEMPLATE).read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    return template if isinstance(template, str) and template else None
 
 
 def _generic_fast_tokenizer(path: Path) -> bool:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from engine_server import LLM, ChatPrompt, SamplingParams
 from engine_server.errors import ModelTemplateError, ValidationError
 from engine_server.frontend import InputProcessor, RequestTracker, core_request_id, split_core_request_id
-from engine_server.tokenizer.chat import ChatMessage, ChatTool, ChatToolCall, render_chat
+from engine_server.tokenizer.chat import ChatMessage, ChatTool, ChatToolCall, content_as_parts, render_chat
 
 pytestmark = pytest.mark.slow  # the embedded model's offline engine
 
@@ -94,6 +96,65 @@ def test_chat_renders_with_the_model_template_including_tool_turns(smollm2_token
     text = render_chat(smollm2_tokenizer, messages, tools)
     assert text.startswith("<|im_start|>system\nYou are terse.<|im_end|>")
     assert "18C and sunny" in text and text.endswith("<|im_start|>assistant\n")
+
+
+# Templates that read a turn's content as a list of parts alone, in the two ways multimodal checkpoints write them
+# (LLaVA's: parts filtered by type; Idefics's and SmolVLM's: a loop testing each part's type), and one that takes a
+# string or parts (Gemma 3's and Qwen2.5-VL's way).
+PARTS_BY_FILTER = (
+    "{% for m in messages %}{{ m['role'].upper() + ': ' }}"
+    "{% for part in m['content'] | selectattr('type', 'equalto', 'text') %}{{ part['text'] + ' ' }}{% endfor %}"
+    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+PARTS_BY_LOOP = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{% for part in m['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% elif part['type'] == 'image' %}<image>{% endif %}"
+    "{% endfor %}<end>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+STRING_OR_PARTS = (
+    "{% for m in messages %}<{{ m['role'] }}>{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}{% endif %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "parts", "expected"),
+    [
+        (PARTS_BY_FILTER, True, "SYSTEM: Be brief. USER: Hi there ASSISTANT: Hello USER: Again? ASSISTANT:"),
+        (PARTS_BY_LOOP, True, "<|system|>Be brief.<end><|user|>Hi there<end><|assistant|>Hello<end><|user|>Again?<end>"
+                              "<|assistant|>"),
+        (STRING_OR_PARTS, False, "<system>Be brief.<user>Hi there<assistant>Hello<user>Again?"),
+    ],
+)
+def test_a_template_that_reads_content_as_parts_gets_each_turns_text_as_one(
+    smollm2_tokenizer: Any, template: str, parts: bool, expected: str
+) -> None:
+    """A chat template that reads a turn's content as a list of OpenAI parts alone (LLaVA's, Idefics's) gets each
+    turn's text as one text part, which a string would not reach; one that takes strings gets strings."""
+    tokenizer = copy.copy(smollm2_tokenizer)
+    tokenizer.chat_template = template
+    messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi there"), ChatMessage("assistant", "Hello"),
+                ChatMessage("user", "Again?")]  # fmt: skip
+    assert content_as_parts(tokenizer) is parts
+    assert render_chat(tokenizer, messages) == expected
+
+
+def test_a_processors_chat_template_is_read_where_the_tokenizer_has_none(tmp_path: Path) -> None:
+    """LLaVA's and Idefics's checkpoints keep their template in the processor's `chat_template.json`, which
+    transformers' tokenizers do not read: the engine does, where the tokenizer has no template of its own."""
+    from engine_server.tokenizer.loading import load_tokenizer
+    from tests.unit.pooling.embedding_models import copy_tokenizer
+
+    copy_tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert not load_tokenizer(tmp_path).chat_template
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": PARTS_BY_LOOP}))
+    tokenizer = load_tokenizer(tmp_path)
+    assert tokenizer.chat_template == PARTS_BY_LOOP
+    assert render_chat(tokenizer, [ChatMessage("user", "Hi")]) == "<|user|>Hi<end><|assistant|>"
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,8 @@ _GLM_VISION = {**_QWEN_VISION, "image_size": 28, "patch_size": 14}
 _MLLAMA_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_global_layers": 1,
                   "attention_heads": 2, "image_size": 28, "patch_size": 14, "intermediate_layers_indices": [0],
                   "vision_output_dim": 64}  # fmt: skip
+_WHISPER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_mel_bins": 16, "max_source_positions": 8}  # fmt: skip
 # M-RoPE over the 8 rotated pairs of a 16-wide head: 2 for time, 3 each for height and width (GLM-4.1V's over 4 of
 # them where it turns half the head).
 _MROPE = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
@@ -75,6 +77,12 @@ WRAPPERS: dict[str, tuple[str, dict[str, Any]]] = {
                                    "vision_config": _GLM_VISION}),
     "glm4v_moe": ("Glm4vMoe", {"text_config": {**_GLM4_MOE, "rope_parameters": _GLM_HALF_MROPE},
                                "vision_config": _GLM_VISION}),
+    "voxtral": ("Voxtral", {"text_config": {"model_type": "llama"}, "audio_config": _WHISPER}),
+    "idefics2": ("Idefics2", {"text_config": {"model_type": "mistral", "head_dim": 16}, "vision_config": _SIGLIP,
+                              "perceiver_config": {"hidden_size": 64, "resampler_n_latents": 4,
+                                                   "resampler_depth": 1, "resampler_n_heads": 2,
+                                                   "resampler_head_dim": 16, "num_key_value_heads": 1}}),
+    "llava_next_video": ("LlavaNextVideo", {"text_config": {"model_type": "llama"}, "vision_config": _CLIP}),
     "mllama": ("Mllama", {"text_config": {"num_hidden_layers": 6, "cross_attention_layers": [1, 4], "pad_token_id": 0},
                           "vision_config": _MLLAMA_VISION}),
 }  # fmt: skip
@@ -114,10 +122,8 @@ def test_a_multimodal_checkpoint_serves_its_text_model(kind: str, tmp_path: Path
 
 
 def test_every_multimodal_kind_is_tested() -> None:
-    """The served multimodal kinds are the tested ones, or are another's layout (Voxtral's audio tower and LLaVA-NeXT
-    Video's beside a text model, as LLaVA's; Idefics 2's as Idefics 3's)."""
-    tested = {kind.partition("-")[0] for kind in WRAPPERS}
-    assert MULTIMODAL_ARCHITECTURES - tested == {"voxtral", "llava_next_video", "idefics2"}
+    """Every multimodal kind served has its case above."""
+    assert {kind.partition("-")[0] for kind in WRAPPERS} == MULTIMODAL_ARCHITECTURES
 
 
 # The names each kind's checkpoints were released under, from transformers 5's (which it reads both of).
