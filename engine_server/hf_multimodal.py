@@ -1,6 +1,8 @@
 """The vision-language (and speech) checkpoints whose text model the engine serves on text prompts: Gemma 3 (4B to
 27B), Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE, LLaVA (1.5, NeXT, NeXT-Video, OneVision), Llama 3.2 Vision,
-InternVL, Idefics 2 and 3, SmolVLM, Aya Vision, Command A Vision, LFM2-VL, GLM-4.1V / 4.5V and Voxtral.
+InternVL, Idefics 2 and 3, SmolVLM, Aya Vision, Command A Vision, LFM2-VL, GLM-4.1V / 4.5V / 4.6V, MiniCPM-V 4.6,
+DeepSeek-VL, Janus, Ovis2 / 2.5, LLaVA-OneVision-1.5, VideoLLaMA3, Video-LLaVA, ViP-LLaVA, LightOnOCR, LFM3-VL,
+HyperCLOVA X Vision and Voxtral.
 
 Their `config.json` is read as transformers reads it (its composite config class: a released config states only what
 differs from the class's defaults, and early ones are flat, the text model's keys at the top level), and the text
@@ -27,16 +29,22 @@ _TEXT_FAMILIES = {
 }  # fmt: skip
 # What sits beside the text model in each such checkpoint, by weight prefix (transformers 5's layout, then the one
 # the checkpoints were released in), none of it read.
-_TOWERS = (
-    "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.",
-    "model.visual.", "visual.", "model.vision_model.", "vision_model.", "model.connector.", "connector.",
-    "model.image_newline", "image_newline", "model.audio_tower.", "audio_tower.",
+_TOWER_NAMES = (
+    "vision_tower.", "multi_modal_projector.", "visual.", "vision_model.", "connector.", "image_newline",
+    "audio_tower.", "aligner.", "high_res_vision_", "generation_aligner.", "generation_embeddings.",
+    "generation_head.", "vqmodel.", "projector.", "vision_encoder.", "vision_projection.", "merger.",
+    "visual_embeddings_table", "image_tower.", "video_tower.", "vision_projector.",
+    "visual_tokenizer.", "vte.",
 )  # fmt: skip
+_TOWERS = tuple(prefix + name for name in _TOWER_NAMES for prefix in ("model.", ""))
 # The multimodal model types whose text model is served.
 MULTIMODAL_ARCHITECTURES = frozenset({
     "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "llava_next", "llava_next_video",
     "llava_onevision", "mllama", "internvl", "idefics2", "idefics3", "smolvlm", "aya_vision", "cohere2_vision",
     "lfm2_vl", "glm4v", "glm4v_moe", "voxtral",
+    "glm46v", "deepseek_vl", "deepseek_vl_hybrid", "janus", "hyperclovax_vision_v2", "lfm3_vl", "lighton_ocr",
+    "llava_onevision1_5", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "ovis2", "ovis2_5", "video_llama_3",
+    "video_llava", "vipllava",
 })  # fmt: skip
 # Multimodal model types people ask for whose text model alone is not what they are (the refusal says why).
 MULTIMODAL_NOT_SERVED = {

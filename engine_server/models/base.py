@@ -52,8 +52,9 @@ _PART_INDEX = {shard: [s for f, _, s in FUSED_SHARDS if f == fused].index(shard)
 _BARE_DECODER_PREFIXES = ("layers.", "embed_tokens.", "norm.")
 # A multimodal checkpoint's text model (`text_model_weights`): transformers 5's prefix, and the earlier one.
 _LANGUAGE_MODEL, _EARLIER_LANGUAGE_MODEL = "model.language_model.", "language_model."
-# Idefics 2 and 3's (and SmolVLM's) text model, and a layer's tensor (`multimodal_text_weights`).
-_IDEFICS_TEXT_MODEL = "model.text_model."
+# Where a multimodal checkpoint's text model sits besides `language_model.`, and its text-only name: Idefics 2 and
+# 3's (and SmolVLM's), LLaVA-OneVision-1.5's, Ovis2.5's (`multimodal_text_weights`); and a layer's tensor.
+_TEXT_MODEL_PREFIXES = (("model.text_model.", "model."), ("model.model.", "model."), ("llm.", ""))
 _LAYER = re.compile(r"model\.layers\.(?P<index>\d+)\.(?P<rest>.+)")
 # Buffers some older checkpoints carry; we derive them from the config instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -95,8 +96,9 @@ def multimodal_text_weights(
     without them (Llama 3.2 Vision's layer 4 after a dropped layer 3 is layer 3)."""
     dropped = checkpoint.dropped_layers
     for name, tensor in text_model_weights(weights, checkpoint.towers):
-        if name.startswith(_IDEFICS_TEXT_MODEL):
-            name = "model." + name.removeprefix(_IDEFICS_TEXT_MODEL)
+        for theirs, ours in _TEXT_MODEL_PREFIXES:
+            if name.startswith(theirs):
+                name = ours + name.removeprefix(theirs)
         if checkpoint.hidden_first_banks is not None and _is_hidden_first(name, tensor, checkpoint.hidden_first_banks):
             tensor = reordered_tensor(tensor, lambda t: t.transpose(1, 2).contiguous(), transposed=True)
         layer = _LAYER.match(name) if dropped else None

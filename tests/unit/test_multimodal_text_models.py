@@ -34,6 +34,9 @@ _MLLAMA_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers
                   "vision_output_dim": 64}  # fmt: skip
 _WHISPER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
             "num_mel_bins": 16, "max_source_positions": 8}  # fmt: skip
+# A tower's config keys set where a class's own default tower has them (`"shrunk"`).
+_SHRUNK = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "depth": 1, "num_attention_heads": 2,
+           "num_heads": 2, "out_hidden_size": 64, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
 # M-RoPE over the 8 rotated pairs of a 16-wide head: 2 for time, 3 each for height and width (GLM-4.1V's over 4 of
 # them where it turns half the head).
 _MROPE = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
@@ -83,6 +86,25 @@ WRAPPERS: dict[str, tuple[str, dict[str, Any]]] = {
                                                    "resampler_depth": 1, "resampler_n_heads": 2,
                                                    "resampler_head_dim": 16, "num_key_value_heads": 1}}),
     "llava_next_video": ("LlavaNextVideo", {"text_config": {"model_type": "llama"}, "vision_config": _CLIP}),
+    # The rest in the image-text classes transformers maps them to, each beside its own default tower shrunk.
+    **{kind: ("", {"text_config": text, "vision_config": "shrunk"}) for kind, text in (
+        ("glm46v", {**_GLM4, "rope_parameters": _GLM_HALF_MROPE}),
+        ("deepseek_vl", {"model_type": "llama"}),
+        ("deepseek_vl_hybrid", {"model_type": "llama"}),
+        ("janus", {"model_type": "llama"}),
+        ("hyperclovax_vision_v2", {"model_type": "hyperclovax"}),
+        ("lfm3_vl", {"model_type": "lfm3", **HYBRIDS["lfm3"][1]}),
+        ("lighton_ocr", {"model_type": "qwen3", "head_dim": 16}),
+        ("llava_onevision1_5", {"model_type": "qwen3", "head_dim": 16}),
+        ("minicpmv4_6", {"model_type": "qwen3_5_text", **HYBRIDS["qwen3.5"][1]}),
+        ("minicpmv4_7", {"model_type": "qwen3_5_text", **HYBRIDS["qwen3.5"][1]}),
+        ("minicpm_ocr", {"model_type": "qwen3_5_text", **HYBRIDS["qwen3.5"][1]}),
+        ("ovis2", _QWEN2),
+        ("ovis2_5", {"model_type": "qwen3", "head_dim": 16}),
+        ("video_llama_3", _QWEN2),
+        ("video_llava", {"model_type": "llama"}),
+        ("vipllava", {"model_type": "llama"}),
+    )},
     "mllama": ("Mllama", {"text_config": {"num_hidden_layers": 6, "cross_attention_layers": [1, 4], "pad_token_id": 0},
                           "vision_config": _MLLAMA_VISION}),
 }  # fmt: skip
@@ -92,12 +114,24 @@ def _multimodal(kind: str) -> Any:
     """A tiny random `kind` model as transformers builds it, its text model (and LM head) drawn as the family tests
     draw theirs."""
     import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-    class_name, keys = WRAPPERS[kind]
+    stem, keys = WRAPPERS[kind]
+    base = kind.partition("-")[0]
+    config_name = f"{stem}Config" if stem else CONFIG_MAPPING_NAMES[base]
+    model_name = f"{stem}ForConditionalGeneration" if stem else MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[base]
     text = {**_SHAPE, **keys["text_config"]}
-    config = getattr(transformers, f"{class_name}Config")(**{**keys, "text_config": text})
+    config_class = getattr(transformers, config_name)
+    shrunk = {}
+    for part, sub in config_class().to_dict().items():  # a tower of the class's own kind, at the tests' width
+        if part.endswith("_config") and part != "text_config" and isinstance(sub, dict) and keys.get(part) == "shrunk":
+            shrunk[part] = {**sub, **{key: value for key, value in _SHRUNK.items() if key in sub}}
+            if sub.get("layer_types"):  # (a tower's kinds of layer, one a layer)
+                shrunk[part]["layer_types"] = sub["layer_types"][:1]
+    config = config_class(**{**keys, **shrunk, "text_config": text})
     torch.manual_seed(0)
-    model = getattr(transformers, f"{class_name}ForConditionalGeneration")(config).eval()
+    model = getattr(transformers, model_name)(config).eval()
     towers = ("vision", "visual", "multi_modal_projector", "connector", "audio", "image_newline")
     with torch.no_grad():
         for name, parameter in model.named_parameters():
