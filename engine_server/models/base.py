@@ -55,6 +55,8 @@ _LANGUAGE_MODEL, _EARLIER_LANGUAGE_MODEL = "model.language_model.", "language_mo
 # Where a multimodal checkpoint's text model sits besides `language_model.`, and its text-only name: Idefics 2 and
 # 3's (and SmolVLM's), LLaVA-OneVision-1.5's, Ovis2.5's (`multimodal_text_weights`); and a layer's tensor.
 _TEXT_MODEL_PREFIXES = (("model.text_model.", "model."), ("model.model.", "model."), ("llm.", ""))
+# An omni model's part that reads and writes text (Qwen2.5-Omni's and Qwen3-Omni's), beside its speech talker.
+_THINKER = "thinker."
 _LAYER = re.compile(r"model\.layers\.(?P<index>\d+)\.(?P<rest>.+)")
 # Buffers some older checkpoints carry; we derive them from the config instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -93,9 +95,11 @@ def multimodal_text_weights(
     """A multimodal checkpoint's text model (`hf_multimodal`) under the names of a text-only one: its
     `model.language_model.` or `language_model.` tensors as `text_model_weights` reads them, Idefics's
     `model.text_model.X` as `model.X`; its towers left out, as are the layers it drops, the others numbered on
-    without them (Llama 3.2 Vision's layer 4 after a dropped layer 3 is layer 3)."""
+    without them (Llama 3.2 Vision's layer 4 after a dropped layer 3 is layer 3). An omni checkpoint's thinker
+    (`thinker.`) is read as the multimodal model it is."""
     dropped = checkpoint.dropped_layers
-    for name, tensor in text_model_weights(weights, checkpoint.towers):
+    thinkers = ((name.removeprefix(_THINKER), tensor) for name, tensor in weights)
+    for name, tensor in text_model_weights(thinkers, checkpoint.towers):
         for theirs, ours in _TEXT_MODEL_PREFIXES:
             if name.startswith(theirs):
                 name = ours + name.removeprefix(theirs)

@@ -6,6 +6,7 @@ transformers reads them."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,7 @@ WRAPPERS: dict[str, tuple[str, dict[str, Any]]] = {
                                                    "resampler_head_dim": 16, "num_key_value_heads": 1}}),
     "llava_next_video": ("LlavaNextVideo", {"text_config": {"model_type": "llama"}, "vision_config": _CLIP}),
     # The rest in the image-text classes transformers maps them to, each beside its own default tower shrunk.
-    **{kind: ("", {"text_config": text, "vision_config": "shrunk"}) for kind, text in (
+    **{kind: ("", {"text_config": text, "vision_config": "shrunk", "audio_config": "shrunk"}) for kind, text in (
         ("glm46v", {**_GLM4, "rope_parameters": _GLM_HALF_MROPE}),
         ("deepseek_vl", {"model_type": "llama"}),
         ("deepseek_vl_hybrid", {"model_type": "llama"}),
@@ -104,6 +105,8 @@ WRAPPERS: dict[str, tuple[str, dict[str, Any]]] = {
         ("video_llama_3", _QWEN2),
         ("video_llava", {"model_type": "llama"}),
         ("vipllava", {"model_type": "llama"}),
+        ("qwen2_5_omni_thinker", {"head_dim": 16, "rope_parameters": _MROPE}),
+        ("qwen3_omni_moe_thinker", {**_QWEN3_MOE, "rope_parameters": _INTERLEAVED_MROPE}),
     )},
     "mllama": ("Mllama", {"text_config": {"num_hidden_layers": 6, "cross_attention_layers": [1, 4], "pad_token_id": 0},
                           "vision_config": _MLLAMA_VISION}),
@@ -155,9 +158,41 @@ def test_a_multimodal_checkpoint_serves_its_text_model(kind: str, tmp_path: Path
         assert ours == theirs.of(ours)
 
 
+# The omni checkpoints, by their thinker's kind: the thinker's names under `thinker.`, a speech talker beside it.
+OMNI = {"qwen2_5_omni": "qwen2_5_omni_thinker", "qwen3_omni_moe": "qwen3_omni_moe_thinker"}
+
+
 def test_every_multimodal_kind_is_tested() -> None:
-    """Every multimodal kind served has its case above."""
-    assert {kind.partition("-")[0] for kind in WRAPPERS} == MULTIMODAL_ARCHITECTURES
+    """Every multimodal kind served has its case above (an omni checkpoint its thinker's, below)."""
+    assert {kind.partition("-")[0] for kind in WRAPPERS} | set(OMNI) == MULTIMODAL_ARCHITECTURES
+
+
+@pytest.mark.parametrize("kind", sorted(OMNI))
+def test_an_omni_checkpoint_serves_its_thinkers_text_model(kind: str, tmp_path: Path) -> None:
+    """Qwen2.5-Omni's and Qwen3-Omni's checkpoints hold a thinker (a multimodal model that reads and writes text,
+    under `thinker.`, in the names it was released with: `thinker.model.layers.`, `thinker.visual.`,
+    `thinker.audio_tower.`) beside a speech talker and a vocoder, which are not read: the engine's tokens on text
+    prompts equal the thinker's own."""
+    from safetensors.torch import load_file, save_file
+
+    thinker = _multimodal(OMNI[kind])
+    thinker.save_pretrained(tmp_path)
+    copy_tokenizer(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    released = {"thinker." + name.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
+                .replace("model.audio_tower.", "audio_tower."): tensor for name, tensor in state.items()}
+    released["talker.codec_head.weight"] = torch.zeros(8, 4)
+    released["code2wav.code_embedding.weight"] = torch.zeros(8, 4)
+    save_file(released, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    composite = {"model_type": kind, "architectures": [], "thinker_config": config}
+    (tmp_path / "config.json").write_text(json.dumps(composite))
+    batch = prompts()[:4]
+    theirs = GreedyReference(thinker, batch, NUM_TOKENS)
+    with engine(tmp_path) as llm:
+        assert llm.core.model_config.multimodal is not None
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
 
 
 # The names each kind's checkpoints were released under, from transformers 5's (which it reads both of).
