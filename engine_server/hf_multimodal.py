@@ -2,7 +2,8 @@
 27B), Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE, LLaVA (1.5, NeXT, NeXT-Video, OneVision), Llama 3.2 Vision,
 InternVL, Idefics 2 and 3, SmolVLM, Aya Vision, Command A Vision, LFM2-VL, GLM-4.1V / 4.5V / 4.6V, MiniCPM-V 4.6,
 DeepSeek-VL, Janus, Ovis2 / 2.5, LLaVA-OneVision-1.5, VideoLLaMA3, Video-LLaVA, ViP-LLaVA, LightOnOCR, LFM3-VL,
-HyperCLOVA X Vision, Voxtral, and the thinkers of Qwen2.5-Omni and Qwen3-Omni (their speech talkers not read).
+HyperCLOVA X Vision, Voxtral, Phi-4-multimodal (its text model Phi-4-mini's, without its vision and speech LoRA
+adapters), and the thinkers of Qwen2.5-Omni and Qwen3-Omni (their speech talkers not read).
 
 Their `config.json` is read as transformers reads it (its composite config class: a released config states only what
 differs from the class's defaults, and early ones are flat, the text model's keys at the top level), and the text
@@ -26,7 +27,7 @@ from engine_server.config import MultimodalCheckpoint
 _TEXT_FAMILIES = {
     "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe",
     "mllama_text_model": "llama", "glm4v_text": "glm4", "glm4v_moe_text": "glm4_moe", "qwen2_5_omni_text": "qwen2",
-    "qwen3_omni_moe_text": "qwen3_moe",
+    "qwen3_omni_moe_text": "qwen3_moe", "phi4_multimodal": "phi3",
 }  # fmt: skip
 # What sits beside the text model in each such checkpoint, by weight prefix (transformers 5's layout, then the one
 # the checkpoints were released in), none of it read.
@@ -35,7 +36,7 @@ _TOWER_NAMES = (
     "audio_tower.", "aligner.", "high_res_vision_", "generation_aligner.", "generation_embeddings.",
     "generation_head.", "vqmodel.", "projector.", "vision_encoder.", "vision_projection.", "merger.",
     "visual_embeddings_table", "image_tower.", "video_tower.", "vision_projector.",
-    "visual_tokenizer.", "vte.", "talker.", "token2wav.", "code2wav.",
+    "visual_tokenizer.", "vte.", "talker.", "token2wav.", "code2wav.", "embed_tokens_extend.",
 )  # fmt: skip
 _TOWERS = tuple(prefix + name for name in _TOWER_NAMES for prefix in ("model.", ""))
 # The multimodal model types whose text model is served.
@@ -46,6 +47,7 @@ MULTIMODAL_ARCHITECTURES = frozenset({
     "glm46v", "deepseek_vl", "deepseek_vl_hybrid", "janus", "hyperclovax_vision_v2", "lfm3_vl", "lighton_ocr",
     "llava_onevision1_5", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "ovis2", "ovis2_5", "video_llama_3",
     "video_llava", "vipllava", "qwen2_5_omni", "qwen2_5_omni_thinker", "qwen3_omni_moe", "qwen3_omni_moe_thinker",
+    "phi4_multimodal",
 })  # fmt: skip
 # Multimodal model types people ask for whose text model alone is not what they are (the refusal says why).
 MULTIMODAL_NOT_SERVED = {

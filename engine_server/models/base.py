@@ -55,6 +55,9 @@ _LANGUAGE_MODEL, _EARLIER_LANGUAGE_MODEL = "model.language_model.", "language_mo
 # Where a multimodal checkpoint's text model sits besides `language_model.`, and its text-only name: Idefics 2 and
 # 3's (and SmolVLM's), LLaVA-OneVision-1.5's, Ovis2.5's (`multimodal_text_weights`); and a layer's tensor.
 _TEXT_MODEL_PREFIXES = (("model.text_model.", "model."), ("model.model.", "model."), ("llm.", ""))
+# A LoRA adapter of a modality over a text model's projection (Phi-4-multimodal's as released: `<proj>.base_layer.`
+# beside `<proj>.lora_A.vision.`), applied to that modality's tokens alone.
+_ADAPTER = re.compile(r"\.lora_[AB]\.")
 # An omni model's part that reads and writes text (Qwen2.5-Omni's and Qwen3-Omni's), beside its speech talker.
 _THINKER = "thinker."
 _LAYER = re.compile(r"model\.layers\.(?P<index>\d+)\.(?P<rest>.+)")
@@ -96,13 +99,17 @@ def multimodal_text_weights(
     `model.language_model.` or `language_model.` tensors as `text_model_weights` reads them, Idefics's
     `model.text_model.X` as `model.X`; its towers left out, as are the layers it drops, the others numbered on
     without them (Llama 3.2 Vision's layer 4 after a dropped layer 3 is layer 3). An omni checkpoint's thinker
-    (`thinker.`) is read as the multimodal model it is."""
+    (`thinker.`) is read as the multimodal model it is; a projection wrapped with a modality's LoRA adapters
+    (`<proj>.base_layer.` beside `<proj>.lora_A.<modality>.`) as its base layer, the adapters left out."""
     dropped = checkpoint.dropped_layers
     thinkers = ((name.removeprefix(_THINKER), tensor) for name, tensor in weights)
     for name, tensor in text_model_weights(thinkers, checkpoint.towers):
         for theirs, ours in _TEXT_MODEL_PREFIXES:
             if name.startswith(theirs):
                 name = ours + name.removeprefix(theirs)
+        if _ADAPTER.search(name):  # a modality's adapter (Phi-4-multimodal's), off for text
+            continue
+        name = name.replace(".base_layer.", ".")
         if checkpoint.hidden_first_banks is not None and _is_hidden_first(name, tensor, checkpoint.hidden_first_banks):
             tensor = reordered_tensor(tensor, lambda t: t.transpose(1, 2).contiguous(), transposed=True)
         layer = _LAYER.match(name) if dropped else None

@@ -163,8 +163,9 @@ OMNI = {"qwen2_5_omni": "qwen2_5_omni_thinker", "qwen3_omni_moe": "qwen3_omni_mo
 
 
 def test_every_multimodal_kind_is_tested() -> None:
-    """Every multimodal kind served has its case above (an omni checkpoint its thinker's, below)."""
-    assert {kind.partition("-")[0] for kind in WRAPPERS} | set(OMNI) == MULTIMODAL_ARCHITECTURES
+    """Every multimodal kind served has its case above (an omni checkpoint its thinker's, Phi-4-multimodal its own
+    below)."""
+    assert {kind.partition("-")[0] for kind in WRAPPERS} | set(OMNI) | {"phi4_multimodal"} == MULTIMODAL_ARCHITECTURES
 
 
 @pytest.mark.parametrize("kind", sorted(OMNI))
@@ -330,5 +331,53 @@ def test_a_multimodal_checkpoint_over_two_ranks_serves_its_text_model(kind: str,
     batch = prompts()[:4]
     theirs = GreedyReference(model, batch, NUM_TOKENS)
     with engine(tmp_path, tensor_parallel_size=2) as llm:
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+
+
+@pytest.mark.parametrize("released", [False, True], ids=["transformers", "released"])
+def test_phi4_multimodal_serves_its_text_model_without_its_adapters(released: bool, tmp_path: Path) -> None:
+    """Phi-4-multimodal's config is flat (Phi-4-mini's text keys at the top level: LongRoPE over part of each head)
+    beside its vision and speech towers (`model.embed_tokens_extend.`); as released, each adapted projection is a
+    LoRA-wrapped layer (`<proj>.base_layer.weight` beside `<proj>.lora_A.vision.weight` ...), the adapters applied
+    to images and speech alone. Its text output equals transformers' model's (whose checkpoint holds the base
+    layers alone): here the released form's adapters are random, and would move every token if read."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from tests.families import FAMILIES
+
+    quirks = {**FAMILIES["phi3-longrope"][1], "partial_rotary_factor": 0.75}
+    defaults = transformers.Phi4MultimodalConfig().to_dict()
+    towers = {part: {**defaults[part], **{key: value for key, value in _SHRUNK.items() if key in defaults[part]}}
+              for part in ("vision_config", "audio_config")}  # fmt: skip
+    towers["audio_config"].update(num_blocks=1, attention_dim=32, attention_heads=2, linear_units=64,
+                                  nemo_conv_channels=32)  # fmt: skip
+    config = transformers.Phi4MultimodalConfig(**{**_SHAPE, **quirks, **towers})
+    torch.manual_seed(0)
+    model = transformers.Phi4MultimodalForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() > 1 and "embed_tokens_extend" not in name:
+                parameter.normal_(0.0, 0.08)
+    model.save_pretrained(tmp_path)
+    copy_tokenizer(tmp_path)
+    if released:
+        state = load_file(tmp_path / "model.safetensors")
+        wrapped = {}
+        for name, tensor in state.items():
+            if name.startswith("model.layers.") and name.endswith(("_proj.weight", "qkv_proj.weight")):
+                stem = name.removesuffix(".weight")
+                wrapped[f"{stem}.base_layer.weight"] = tensor
+                for modality in ("vision", "speech"):
+                    wrapped[f"{stem}.lora_A.{modality}.weight"] = torch.randn(4, tensor.shape[1])
+                    wrapped[f"{stem}.lora_B.{modality}.weight"] = torch.randn(tensor.shape[0], 4)
+            else:
+                wrapped[name] = tensor
+        save_file(wrapped, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    batch = prompts()[:4]
+    theirs = GreedyReference(model, batch, NUM_TOKENS)
+    with engine(tmp_path) as llm:
+        assert llm.core.model_config.architecture == "phi3" and llm.core.model_config.partial_rotary_factor == 0.75
         ours = tokens(llm, batch)
         assert ours == theirs.of(ours)
