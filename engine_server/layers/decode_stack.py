@@ -8,7 +8,8 @@ of its own (`ladle_kernels.cpu_ops.paged_attention_by_token`), so a step with pr
 each prompt token with its sequence's block table and its position + 1 as length (`AttentionMetadata.token_rows`).
 Qwen3's and OLMoE's q/k norms (and OLMoE's clamp) and mixtures of experts (Mixtral, Qwen2-MoE with its shared expert,
 Qwen3-MoE, OLMoE) over quantized experts (any of `QuantizedExperts`' formats, K-quants included) run in it too: their
-routers, softmax and top-k through the same ATen calls as `layers.moe.route`. With LoRA adapters (engine_server.lora)
+routers, softmax and top-k through the same ATen calls as `layers.moe.route`. So do Gemma's blocks (Gemma 1's GeGLU;
+Gemma 2's and 3's sandwich norms, soft-capped scores and windowed layers' own rope: `set_gemma_block`). With LoRA adapters (engine_server.lora)
 the stack holds the slots' weights (`register_lora`) and a step with adapters runs in it too, their kernels called as
 `LayerLora.add` calls them.
 """
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from engine_server.layers.attention import PagedSelfAttention
-from engine_server.layers.decoder import DecoderLayer, DecoderModel, DecodeStack
+from engine_server.layers.decoder import DecoderLayer, DecoderModel, DecodeStack, SandwichDecoderLayer
 from engine_server.layers.hyper_connections import HyperConnectedDecoderModel
 from engine_server.layers.mlp import GatedMLP
 from engine_server.layers.moe import SparseMoE
@@ -60,11 +61,23 @@ def _moe_parts(mlp: SparseMoE) -> MoeParts | None:
     return experts, router, [cast(QuantizedLinear, part) for part in parts]
 
 
+def _plain_sandwich(layer: nn.Module) -> bool:
+    """Whether `layer` is Gemma 2 and 3's block alone (`SandwichDecoderLayer` without Beam's depth scales or Ergo's
+    residual gates, which the stack does not run)."""
+    return (
+        type(layer) is SandwichDecoderLayer
+        and layer.depth_scales is None
+        and layer.attention_residual_gate is None
+        and layer.feedforward_residual_gate is None
+    )
+
+
 def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     """A `torch.classes.ladle_cpu.DecodeStack` over `model`'s weights (shared, not copied), or None where it does not
     apply: a projection that is not a `QuantizedLinear`, a mixture of experts not over `QuantizedExperts` with a
-    `RowwiseLinear` router (`_moe_parts`), partial rotary or LongRoPE (Phi-3), Gemma's blocks (sandwich norms, GeGLU,
-    soft-capping, Gemma 3's local rope), attention sinks (gpt-oss), layers without rope (SmolLM3) or with weightless
+    `RowwiseLinear` router (`_moe_parts`), partial rotary or LongRoPE (Phi-3), Beam's or Ergo's blocks (Gemma's
+    sandwich norms, GeGLU, soft-capping and windowed layers' own rope it runs), attention sinks (gpt-oss), layers
+    without rope (SmolLM3) or with weightless
     q/k norms (Llama 4), queries scaled by position (Ministral 3), q/k norms after rope (Hunyuan), Llama 4's router,
     PhiMoE's LayerNorms and router, Granite's multiplied embeddings and residuals, hyper-connections (HY-V4), weights
     not on the CPU or not float32, a head dim the attention kernel is not built for, no C++ kernels, or tensor
@@ -101,10 +114,10 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
         return None
     if any(isinstance(layer.mlp, SparseMoE) and layer.mlp.input_scaled for layer in layers):
         return None  # Llama 4's router, which scales the experts' inputs
-    if model.scales_embeddings or any(layer.residual_multiplier != 1.0 for layer in layers):
+    if any(layer.residual_multiplier != 1.0 for layer in layers):  # (Granite's; `embed` scales the embeddings)
         return None
-    if model.local_rope or not all(type(layer) is DecoderLayer for layer in layers):  # Gemma's blocks and rope
-        return None
+    if not all(type(layer) is DecoderLayer or _plain_sandwich(layer) for layer in layers):
+        return None  # Beam's, Ergo's and OLMo 2's blocks, the other forms'
     if type(model.norm) is not RMSNorm:  # PhiMoE's LayerNorms (Cohere's blocks are refused above)
         return None
     plans: list[tuple[list[QuantizedLinear], MoeParts | None]] = []
@@ -116,7 +129,7 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
             moe = _moe_parts(mlp)
             if moe is None:
                 return None
-        elif isinstance(mlp, GatedMLP) and mlp.activation == "silu" and not mlp.limit:
+        elif isinstance(mlp, GatedMLP) and mlp.activation in ("silu", "gelu_tanh") and not mlp.limit:
             parts += [mlp.gate_up_proj, mlp.down_proj]
         else:
             return None
@@ -143,7 +156,10 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
             stack.add_linear_part(index, *part)
         return index
 
-    for layer, attention, (own, moe) in zip(layers, attentions, plans, strict=True):
+    if model.local_rope:
+        stack.set_local_rope(model.get_buffer("local_cos_sin_cache"))
+    for layer, attention, (own, moe), reads_local in zip(layers, attentions, plans, model.local_rope_layers,
+                                                          strict=True):  # fmt: skip
         ids = [add(linear) for linear in own] + ([-1, -1] if moe is not None else [])
         stack.add_layer(
             layer.input_layernorm.weight.detach(),
@@ -156,6 +172,13 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
             stack.set_qk_norms(q_weight, k_weight, attention.q_norm.eps, attention.qk_norm_whole)
         if attention.clip_qkv:
             stack.set_clip_qkv(attention.clip_qkv)
+        gelu = isinstance(layer.mlp, GatedMLP) and layer.mlp.activation == "gelu_tanh"
+        norms = (
+            (layer.pre_feedforward_layernorm.weight.detach(), layer.post_feedforward_layernorm.weight.detach())
+            if isinstance(layer, SandwichDecoderLayer) else (None, None)
+        )  # fmt: skip
+        if norms[0] is not None or gelu or attention.softcap or reads_local:  # Gemma's block (Gemma 1's GeGLU)
+            stack.set_gemma_block(*norms, gelu, float(attention.softcap or 0.0), reads_local)
         if moe is not None:
             experts, router, shared = moe
             sparse = cast(SparseMoE, layer.mlp)

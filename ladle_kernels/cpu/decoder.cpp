@@ -14,6 +14,9 @@
 //   over quantized experts): its router's logits (rowwise_linear), softmax, top-k (renormalised if asked),
 //   h = moe_packed(h, ...) (+ sigmoid(shared gate) * the shared expert's down(silu_and_mul(gate_up(h))))
 //   then h = add_rms_norm(h, r) with the final norm.
+// Gemma's block (set_gemma_block): h, r = add_rms_norm(rms_norm(o_proj(a), post_attn), r) with pre_ff's weight,
+// then h = post_ff(down(gelu_tanh(gate) * up)), with the windowed layers' rope from their own table and the
+// attention's scores soft-capped where the model does (Gemma 2).
 // Every row is one new token with its own block table and length, so a prompt token is a row too (its sequence's
 // table, its position + 1: the layers' by-token attention).
 // A step can be stopped between two layers: `forward`'s optional `stop` flag (an int32 tensor another thread may
@@ -148,6 +151,12 @@ struct Layer {
   double clip_qkv = 0.0;  // q, k and v clamped to [-clip_qkv, clip_qkv] after the norms (0: not)
   std::optional<Experts> experts;
   std::array<Lora, kProjections> lora;  // undefined (no `a`) where no adapter slots were registered
+  // Gemma's block (set_gemma_block): the attention's output normalised (post_norm) before its residual add, the
+  // MLP's input normalised by pre_ff_norm and its output by post_ff_norm; undefined for the pre-norm block.
+  at::Tensor pre_ff_norm, post_ff_norm;
+  bool gelu = false;        // the dense MLP's gate through GELU's tanh form (GeGLU) instead of SiLU
+  bool local_rope = false;  // rope from the windowed layers' own table (Gemma 2 and 3: set_local_rope)
+  double softcap = 0.0;     // attention scores soft-capped (Gemma 2; 0: not)
 };
 
 // x (a contiguous float32 CPU tensor) summed over the ranks in place: engine_server/parallel/shm_all_reduce.py's
@@ -258,6 +267,33 @@ class DecodeStack : public torch::CustomClassHolder {
     layer.k_norm = k_norm.contiguous();
     layer.qk_eps = eps;
     layer.qk_norm_whole = whole;
+  }
+
+  // The last layer as Gemma's block: sandwich norms (its post_norm then normalises the attention's output before
+  // the residual add; pre_ff_norm and post_ff_norm the MLP's input and output), GeGLU where `gelu`, its attention
+  // scores soft-capped at `softcap` (0: not), rope from the local table (set_local_rope) where `local_rope`.
+  void set_gemma_block(std::optional<at::Tensor> pre_ff_norm, std::optional<at::Tensor> post_ff_norm, bool gelu,
+                       double softcap, bool local_rope) {
+    TORCH_CHECK(!layers_.empty() && !layers_.back().experts.has_value(), "set_gemma_block follows a dense layer");
+    TORCH_CHECK(pre_ff_norm.has_value() == post_ff_norm.has_value(), "both feed-forward norms, or neither");
+    TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: none)");
+    TORCH_CHECK(!local_rope || local_cos_sin_cache_.defined(), "set_local_rope before a layer reads it");
+    Layer& layer = layers_.back();
+    if (pre_ff_norm.has_value()) {
+      layer.pre_ff_norm = pre_ff_norm->contiguous();
+      layer.post_ff_norm = post_ff_norm->contiguous();
+    }
+    layer.gelu = gelu;
+    layer.softcap = softcap;
+    layer.local_rope = local_rope;
+  }
+
+  // The rope table of the layers set_gemma_block marks local (Gemma 2 and 3's windowed layers: their own base).
+  void set_local_rope(at::Tensor cos_sin_cache) {
+    TORCH_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.sizes() == cos_sin_cache_.sizes() &&
+                    cos_sin_cache.scalar_type() == cos_sin_cache_.scalar_type(),
+                "the local rope table must be shaped as the global one");
+    local_cos_sin_cache_ = cos_sin_cache.contiguous();
   }
 
   // The last layer's clamp of q, k and v (OLMoE's clip_qkv).
@@ -408,17 +444,24 @@ class DecodeStack : public torch::CustomClassHolder {
         q = reference_rms_norm(q, layer.q_norm, layer.qk_eps);
         k = reference_rms_norm(k, layer.k_norm, layer.qk_eps);
       }
-      std::tie(q, k) = rotary_embedding(positions, q, k, cos_sin_cache_);
+      std::tie(q, k) = rotary_embedding(positions, q, k, layer.local_rope ? local_cos_sin_cache_ : cos_sin_cache_);
       write_kv_cache(k, v, kv_caches[i], slot_mapping);
-      const at::Tensor attention =
-          paged_decode_attention(q, kv_caches[i], block_tables, seq_lens, scale_, layer.window, 0.0, std::nullopt);
+      const at::Tensor attention = paged_decode_attention(q, kv_caches[i], block_tables, seq_lens, scale_,
+                                                          layer.window, layer.softcap, std::nullopt);
       const at::Tensor attended = attention.view({tokens, q_size});
       at::Tensor projected = linears_[layer.o](attended);
       lora.add(layer.lora[kO], kO, attended, projected);
       if (reduce_.defined()) reduce_(projected);
-      std::tie(hidden, residual) = add_rms_norm(projected, residual, layer.post_norm, eps_);
+      const bool sandwich = layer.pre_ff_norm.defined();
+      if (sandwich) {  // Gemma's: the output normalised, then added to the stream and normalised for the MLP
+        std::tie(hidden, residual) =
+            add_rms_norm(rms_norm(projected, layer.post_norm, eps_), residual, layer.pre_ff_norm, eps_);
+      } else {
+        std::tie(hidden, residual) = add_rms_norm(projected, residual, layer.post_norm, eps_);
+      }
       hidden = layer.experts ? mixture(*layer.experts, hidden) : dense_mlp(layer, hidden, lora);
       if (reduce_.defined()) reduce_(hidden);
+      if (sandwich) hidden = rms_norm(hidden, layer.post_ff_norm, eps_);
       // Another thread writes the flag while this runs (without the GIL): an atomic read of a plain int.
       if (stop_flag != nullptr && __atomic_load_n(stop_flag, __ATOMIC_RELAXED) != 0) {
         return hidden.new_empty({0, hidden.size(1)});
@@ -439,7 +482,9 @@ class DecodeStack : public torch::CustomClassHolder {
   at::Tensor dense_mlp(const Layer& layer, const at::Tensor& x, const StepLora& lora) const {
     const at::Tensor gate_up = linears_[layer.gate_up](x);
     lora.add(layer.lora[kGateUp], kGateUp, x, gate_up);
-    const at::Tensor gated = silu_and_mul(gate_up);
+    // GeGLU as the layers run it: torch's tanh GELU of the gate's half (ladle_kernels/reference.py), times the up
+    const std::vector<at::Tensor> halves = layer.gelu ? gate_up.chunk(2, -1) : std::vector<at::Tensor>{};
+    const at::Tensor gated = layer.gelu ? at::gelu(halves[0], "tanh") * halves[1] : silu_and_mul(gate_up);
     at::Tensor out = linears_[layer.down](gated);
     lora.add(layer.lora[kDown], kDown, gated, out);
     return out;
@@ -463,6 +508,7 @@ class DecodeStack : public torch::CustomClassHolder {
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
   at::Tensor cos_sin_cache_, final_norm_;
+  at::Tensor local_cos_sin_cache_;  // the windowed layers' own rope table (set_local_rope), or undefined
   std::vector<Linear> linears_;
   std::vector<Layer> layers_;
   ShmAllReduce reduce_;
@@ -479,6 +525,8 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
       .def("add_layer", &ladle_cpu::DecodeStack::add_layer)
       .def("set_qk_norms", &ladle_cpu::DecodeStack::set_qk_norms)
       .def("set_clip_qkv", &ladle_cpu::DecodeStack::set_clip_qkv)
+      .def("set_gemma_block", &ladle_cpu::DecodeStack::set_gemma_block)
+      .def("set_local_rope", &ladle_cpu::DecodeStack::set_local_rope)
       .def("set_experts", &ladle_cpu::DecodeStack::set_experts)
       .def("set_shared_expert", &ladle_cpu::DecodeStack::set_shared_expert)
       .def("num_layers", &ladle_cpu::DecodeStack::num_layers)

@@ -14,6 +14,7 @@ import torch
 from engine_server.config import LoraConfig, ModelConfig
 from engine_server.core.request import Request
 from engine_server.core.scheduler import Scheduler
+from engine_server.hf_config import model_config_from_hf
 from engine_server.layers.decode_stack import build_decode_stack
 from engine_server.layers.lowbit_weight import LowBitWeight, decode_blocks
 from engine_server.layers.quantized_experts import QuantizedExperts
@@ -54,6 +55,28 @@ TINY_QWEN2_MOE = dataclasses.replace(
 )  # fmt: skip
 
 
+
+
+def _gemma(model_type: str, **quirks: Any) -> ModelConfig:
+    """A Gemma of TINY_LLAMA's shape, read from its Hugging Face config: windowed layers of 8 tokens beside full
+    ones (Gemma 2 and 3), the query scale of `query_pre_attn_scalar`, the embeddings scaled, GeGLU."""
+    shape = {"vocab_size": TINY_LLAMA.vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+             "query_pre_attn_scalar": 24}  # fmt: skip
+    return dataclasses.replace(model_config_from_hf({"model_type": model_type, **shape, **quirks}), name=model_type)
+
+
+# Gemma 1's GeGLU and scaled embeddings; Gemma 2's sandwich norms, windows and soft-capped scores; Gemma 3's q/k
+# norms and its windowed layers' own rope base beside the full layers' linearly scaled one.
+TINY_GEMMA = _gemma("gemma")
+TINY_GEMMA2 = _gemma("gemma2", sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=30.0)
+TINY_GEMMA3 = _gemma(
+    "gemma3_text", sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+)  # fmt: skip
+
+
 class CountingStack:
     """Forwards to a DecodeStack, counting the steps it ran and keeping each one's `lora_segments` (None: a step
     without adapters)."""
@@ -75,8 +98,11 @@ def int8_runner(model: ModelConfig) -> ModelRunner:
 
 
 @pytest.mark.parametrize(
-    "model", [TINY_LLAMA, TINY_QWEN2, TINY_QWEN3, TINY_QWEN3_MOE, TINY_QWEN2_MOE, TINY_OLMOE],
-    ids=["llama", "qwen2-bias", "qwen3-qk-norms", "qwen3-moe", "qwen2-moe-shared", "olmoe"],
+    "model",
+    [TINY_LLAMA, TINY_QWEN2, TINY_QWEN3, TINY_QWEN3_MOE, TINY_QWEN2_MOE, TINY_OLMOE, TINY_GEMMA, TINY_GEMMA2,
+     TINY_GEMMA3],
+    ids=["llama", "qwen2-bias", "qwen3-qk-norms", "qwen3-moe", "qwen2-moe-shared", "olmoe", "gemma", "gemma2",
+         "gemma3"],
 )  # fmt: skip
 def test_every_step_equals_the_layers_bit_for_bit(model: ModelConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     reference, candidate = int8_runner(model), int8_runner(model)

@@ -1,0 +1,126 @@
+"""Gemma 3 on the CPU's quantized path: a Gemma 3 270M-shaped random model (18 layers 640 wide, 4 heads of 256 over
+one KV head, windows of 512 on five layers in six, the vocabulary of 262,144) served on int8 weights with its steps
+in the C++ decode stack (`layers.decode_stack`) and on the layers (the stack switched off), beside the float path and
+transformers' own model in the same run: output tokens a second of one sequence (single stream: 128 prompt tokens,
+then 128 new ones) and of 8 at once. The stack's and the layers' greedy tokens must be equal (the script fails
+otherwise): the stack runs the same kernels in the same order.
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.gemma_stack_cpu --out benchmarks/results/gemma_stack_cpu.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import append_result, cpu_model_name, git_commit, utc_timestamp
+
+PROMPT, NEW = 128, 128
+# Gemma 3 270M's text model (google/gemma-3-270m's config.json).
+SHAPE = {
+    "vocab_size": 262144, "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256,
+    "sliding_window": 512, "max_position_embeddings": 32768,
+}  # fmt: skip
+
+
+def save_model(root: Path) -> Path:
+    """The random Gemma 3 model saved with the embedded tokenizer (its ids all below 49,152)."""
+    import torch
+    import transformers
+
+    from engine_server.loader import resolve_model
+
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**SHAPE)).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.05)
+    folder = root / "gemma3"
+    model.save_pretrained(folder)
+    tokenizer = resolve_model("default").tokenizer_path
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, folder / name)
+    return folder
+
+
+def prompts(count: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(10, 49152) for _ in range(PROMPT)] for _ in range(count)]
+
+
+def ladle_run(folder: Path, quantization: str, stack: bool, batch: list[list[int]]) -> tuple[float, list[list[int]]]:
+    """(output tokens a second, the tokens) of the engine on `folder`, the decode stack on or off."""
+    from engine_server import LLM, SamplingParams
+    from engine_server.config import EngineConfig, SchedulerConfig
+
+    config = EngineConfig(model=str(folder), device="cpu", quantization=quantization,
+                          scheduler=SchedulerConfig(max_model_len=PROMPT + NEW))  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    with LLM(config=config) as llm:
+        decoder = llm.core.runner.loaded.model.model
+        if quantization != "none":
+            assert decoder.decode_stack is not None, "the stack does not run this model"
+        if not stack:
+            decoder.decode_stack = None
+        llm.generate([batch[0][:8]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm up
+        start = time.perf_counter()
+        results = llm.generate(batch, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    tokens = [result.choices[0].token_ids for result in results]
+    return sum(len(t) for t in tokens) / elapsed, tokens
+
+
+def transformers_run(folder: Path, batch: list[list[int]]) -> float:
+    """Output tokens a second of transformers' own model, greedy, with its KV cache, each sequence alone."""
+    import torch
+    import transformers
+
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for prompt in batch:
+            model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    return len(batch) * NEW / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="append the results to this JSONL file")
+    args = parser.parse_args(argv)
+    command = "python -m benchmarks.gemma_stack_cpu" + (f" --out {args.out}" if args.out else "")
+    with tempfile.TemporaryDirectory() as root:
+        folder = save_model(Path(root))
+        for sequences in (1, 8):
+            batch = prompts(sequences)
+            rates: dict[str, float] = {}
+            rates["int8_stack"], stacked = ladle_run(folder, "int8", True, batch)
+            rates["int8_layers"], layered = ladle_run(folder, "int8", False, batch)
+            if stacked != layered:
+                print("the stack's tokens differ from the layers'", file=sys.stderr)
+                return 1
+            rates["float"], _ = ladle_run(folder, "none", False, batch)
+            if sequences == 1:
+                rates["transformers_float"] = transformers_run(folder, batch)
+            result = {
+                "benchmark": "gemma_stack_cpu", "commit": git_commit(), "timestamp": utc_timestamp(),
+                "cpu": cpu_model_name(), "command": command, "model": "gemma-3-270m shape, random weights",
+                "sequences": sequences, "prompt_tokens": PROMPT, "new_tokens": NEW,
+                "output_tokens_per_s": {name: round(rate, 1) for name, rate in rates.items()},
+                "stack_over_layers": round(rates["int8_stack"] / rates["int8_layers"], 2),
+            }  # fmt: skip
+            print(result)
+            if args.out is not None:
+                append_result(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
