@@ -9,9 +9,9 @@ each prompt token with its sequence's block table and its position + 1 as length
 Qwen3's and OLMoE's q/k norms (and OLMoE's clamp) and mixtures of experts (Mixtral, Qwen2-MoE with its shared expert,
 Qwen3-MoE, OLMoE) over quantized experts (any of `QuantizedExperts`' formats, K-quants included) run in it too: their
 routers, softmax and top-k through the same ATen calls as `layers.moe.route`. So do Gemma's blocks (Gemma 1's GeGLU;
-Gemma 2's and 3's sandwich norms, soft-capped scores and windowed layers' own rope: `set_gemma_block`). With LoRA adapters (engine_server.lora)
-the stack holds the slots' weights (`register_lora`) and a step with adapters runs in it too, their kernels called as
-`LayerLora.add` calls them.
+Gemma 2's and 3's sandwich norms, soft-capped scores and windowed layers' own rope: `set_gemma_block`). With LoRA
+adapters (engine_server.lora) the stack holds the slots' weights (`register_lora`) and a step with adapters runs in it
+too, their kernels called as `LayerLora.add` calls them.
 """
 
 from __future__ import annotations
