@@ -17,13 +17,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from benchmarks.common import append_result, cpu_model_name, git_commit, utc_timestamp
 
 PROMPT, NEW = 128, 128
 # Gemma 3 270M's text model (google/gemma-3-270m's config.json).
-SHAPE = {
+SHAPE: dict[str, Any] = {
     "vocab_size": 262144, "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
     "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256,
     "sliding_window": 512, "max_position_embeddings": 32768,
@@ -56,7 +56,9 @@ def prompts(count: int) -> list[list[int]]:
     return [[rng.randrange(10, 49152) for _ in range(PROMPT)] for _ in range(count)]
 
 
-def ladle_run(folder: Path, quantization: str, stack: bool, batch: list[list[int]]) -> tuple[float, list[list[int]]]:
+def ladle_run(
+    folder: Path, quantization: Literal["int8", "none"], stack: bool, batch: list[list[int]]
+) -> tuple[float, list[list[int]]]:
     """(output tokens a second, the tokens) of the engine on `folder`, the decode stack on or off."""
     from engine_server import LLM, SamplingParams
     from engine_server.config import EngineConfig, SchedulerConfig
@@ -65,7 +67,7 @@ def ladle_run(folder: Path, quantization: str, stack: bool, batch: list[list[int
                           scheduler=SchedulerConfig(max_model_len=PROMPT + NEW))  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     with LLM(config=config) as llm:
-        decoder = llm.core.runner.loaded.model.model
+        decoder: Any = llm.core.runner.loaded.model.model
         if quantization != "none":
             assert decoder.decode_stack is not None, "the stack does not run this model"
         if not stack:
