@@ -72,14 +72,24 @@ def _plain_sandwich(layer: nn.Module) -> bool:
     )
 
 
+def _attends_otherwise(attention: PagedSelfAttention) -> bool:
+    """Whether `attention` does what the stack's does not: ALiBi (BLOOM's, MPT's, Baichuan's), an output gate
+    (AFMoE's), weightless value norms, another layer's K/V (Gemma 4's), chunked attention (Llama 4's), int8 inputs
+    (BitNet's)."""
+    return bool(
+        attention.alibi or attention.output_gate or attention.value_norm or attention.shares_kv or attention.chunk
+        or attention.int8_inputs
+    )  # fmt: skip
+
+
 def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     """A `torch.classes.ladle_cpu.DecodeStack` over `model`'s weights (shared, not copied), or None where it does not
     apply: a projection that is not a `QuantizedLinear`, a mixture of experts not over `QuantizedExperts` with a
-    `RowwiseLinear` router (`_moe_parts`), partial rotary or LongRoPE (Phi-3), Beam's or Ergo's blocks (Gemma's
-    sandwich norms, GeGLU, soft-capping and windowed layers' own rope it runs), attention sinks (gpt-oss), layers
-    without rope (SmolLM3) or with weightless
-    q/k norms (Llama 4), queries scaled by position (Ministral 3), q/k norms after rope (Hunyuan), Llama 4's router,
-    PhiMoE's LayerNorms and router, Granite's multiplied embeddings and residuals, hyper-connections (HY-V4), weights
+    `RowwiseLinear` router (`_moe_parts`), rope over a share of the head that differs between layers (Laguna),
+    Beam's or Ergo's blocks (it runs Gemma's sandwich norms, GeGLU, soft-capping and windowed layers' own rope, as
+    Phi-3's partial rotary and LongRoPE, SmolLM3's NoPE layers and Granite's multipliers), attention sinks (gpt-oss),
+    weightless q/k norms (Llama 4), queries scaled by position (Ministral 3), q/k norms after rope (Hunyuan), Llama
+    4's router, PhiMoE's LayerNorms and router, hyper-connections (HY-V4), weights
     not on the CPU or not float32, a head dim the attention kernel is not built for, no C++ kernels, or tensor
     parallelism without the shared-memory all-reduce (which the stack then runs between its layers, on the same
     buffers)."""
@@ -98,11 +108,13 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
         return None  # latent attention (DeepSeek-V3), MiniMax-M3's block-sparse attention
     attentions = [cast(PagedSelfAttention, layer.self_attn) for layer in layers]
     first = attentions[0]
-    if first.head_dim not in HEAD_DIMS or first.rotary_dim != first.head_dim or model.long_rope_after is not None:
-        return None
+    if first.head_dim not in HEAD_DIMS or any(attention.rotary_dim != first.rotary_dim for attention in attentions):
+        return None  # (Laguna's windowed layers turn a share of their own)
     if any(attention.g_proj is not None for attention in attentions):  # Laguna's softplus gate on each head
         return None
-    if first.sinks is not None or not all(attention.rope and not attention.qk_unit_norm for attention in attentions):
+    if first.sinks is not None or any(attention.qk_unit_norm for attention in attentions):
+        return None
+    if any(_attends_otherwise(attention) for attention in attentions):
         return None
     if any(attention.attn_sub_norm is not None for attention in attentions):  # BitNet's norm before o_proj
         return None
@@ -114,8 +126,6 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
         return None
     if any(isinstance(layer.mlp, SparseMoE) and layer.mlp.input_scaled for layer in layers):
         return None  # Llama 4's router, which scales the experts' inputs
-    if any(layer.residual_multiplier != 1.0 for layer in layers):  # (Granite's; `embed` scales the embeddings)
-        return None
     if not all(type(layer) is DecoderLayer or _plain_sandwich(layer) for layer in layers):
         return None  # Beam's, Ergo's and OLMo 2's blocks, the other forms'
     if type(model.norm) is not RMSNorm:  # PhiMoE's LayerNorms (Cohere's blocks are refused above)
@@ -158,6 +168,8 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
 
     if model.local_rope:
         stack.set_local_rope(model.get_buffer("local_cos_sin_cache"))
+    if first.rotary_dim != first.head_dim:  # Phi-3's partial rotary (LongRoPE's rows are `forward`'s positions)
+        stack.set_rotary_dim(first.rotary_dim)
     for layer, attention, (own, moe), reads_local in zip(layers, attentions, plans, model.local_rope_layers,
                                                           strict=True):  # fmt: skip
         ids = [add(linear) for linear in own] + ([-1, -1] if moe is not None else [])
@@ -172,6 +184,8 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
             stack.set_qk_norms(q_weight, k_weight, attention.q_norm.eps, attention.qk_norm_whole)
         if attention.clip_qkv:
             stack.set_clip_qkv(attention.clip_qkv)
+        if not attention.rope or layer.residual_multiplier != 1.0:  # SmolLM3's NoPE layers, Granite's scales
+            stack.set_layer_options(attention.rope, layer.residual_multiplier)
         gelu = isinstance(layer.mlp, GatedMLP) and layer.mlp.activation == "gelu_tanh"
         norms = (
             (layer.pre_feedforward_layernorm.weight.detach(), layer.post_feedforward_layernorm.weight.detach())

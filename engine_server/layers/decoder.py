@@ -537,8 +537,9 @@ class DecoderModel(nn.Module):
             tables, lens = (meta.block_tables, meta.seq_lens) if meta.max_query_len == 1 else meta.token_rows
             stop = None if interrupt is None else interrupt.tensor
             slots, segments = (None, -1) if lora is None else (lora.slots, lora_segment_bits(lora.changed))
-            stacked = stack.forward(
-                hidden, positions, kv_caches, tables, lens, meta.slot_mapping, stop, slots, segments
+            stacked = stack.forward(  # (its positions are rope's rows: LongRoPE's long tokens in its second table)
+                hidden, self.rope_rows(positions, meta), kv_caches, tables, lens, meta.slot_mapping, stop, slots,
+                segments,
             )
             if stacked.shape[0] != hidden.shape[0]:
                 raise StepInterrupted

@@ -16,7 +16,9 @@
 //   then h = add_rms_norm(h, r) with the final norm.
 // Gemma's block (set_gemma_block): h, r = add_rms_norm(rms_norm(o_proj(a), post_attn), r) with pre_ff's weight,
 // then h = post_ff(down(gelu_tanh(gate) * up)), with the windowed layers' rope from their own table and the
-// attention's scores soft-capped where the model does (Gemma 2).
+// attention's scores soft-capped where the model does (Gemma 2). Rope turns each head's first rotary_dim dims alone
+// where the model says (Phi-3; the positions given are LongRoPE's table rows), none on SmolLM3's NoPE layers, and
+// Granite's outputs are scaled by its residual multiplier before each residual add.
 // Every row is one new token with its own block table and length, so a prompt token is a row too (its sequence's
 // table, its position + 1: the layers' by-token attention).
 // A step can be stopped between two layers: `forward`'s optional `stop` flag (an int32 tensor another thread may
@@ -157,6 +159,8 @@ struct Layer {
   bool gelu = false;        // the dense MLP's gate through GELU's tanh form (GeGLU) instead of SiLU
   bool local_rope = false;  // rope from the windowed layers' own table (Gemma 2 and 3: set_local_rope)
   double softcap = 0.0;     // attention scores soft-capped (Gemma 2; 0: not)
+  bool rope = true;         // rope on q and k (SmolLM3's NoPE layers: none; set_layer_options)
+  double residual_multiplier = 1.0;  // each output scaled before its residual add (Granite's; set_layer_options)
 };
 
 // x (a contiguous float32 CPU tensor) summed over the ranks in place: engine_server/parallel/shm_all_reduce.py's
@@ -294,6 +298,21 @@ class DecodeStack : public torch::CustomClassHolder {
                     cos_sin_cache.scalar_type() == cos_sin_cache_.scalar_type(),
                 "the local rope table must be shaped as the global one");
     local_cos_sin_cache_ = cos_sin_cache.contiguous();
+  }
+
+  // The last layer's rope (off on SmolLM3's NoPE layers) and the scale of its attention's and MLP's outputs before
+  // each residual add (Granite's residual_multiplier; 1: none).
+  void set_layer_options(bool rope, double residual_multiplier) {
+    TORCH_CHECK(!layers_.empty(), "no layer yet");
+    layers_.back().rope = rope;
+    layers_.back().residual_multiplier = residual_multiplier;
+  }
+
+  // Rope over each head's first `rotary_dim` dims alone (Phi-3's partial rotary), the rest passed as they are.
+  void set_rotary_dim(int64_t rotary_dim) {
+    LADLE_CHECK(rotary_dim > 0 && rotary_dim <= head_dim_ && rotary_dim % 2 == 0, "rotary_dim %lld of head dim %lld",
+                static_cast<long long>(rotary_dim), static_cast<long long>(head_dim_));
+    rotary_dim_ = rotary_dim;
   }
 
   // The last layer's clamp of q, k and v (OLMoE's clip_qkv).
@@ -444,7 +463,11 @@ class DecodeStack : public torch::CustomClassHolder {
         q = reference_rms_norm(q, layer.q_norm, layer.qk_eps);
         k = reference_rms_norm(k, layer.k_norm, layer.qk_eps);
       }
-      std::tie(q, k) = rotary_embedding(positions, q, k, layer.local_rope ? local_cos_sin_cache_ : cos_sin_cache_);
+      if (layer.rope) {
+        std::tie(q, k) = rope(positions, q, k, layer.local_rope ? local_cos_sin_cache_ : cos_sin_cache_);
+      } else {  // (rope's outputs are new tensors: without it, q is still a view of qkv's rows)
+        q = q.contiguous();
+      }
       write_kv_cache(k, v, kv_caches[i], slot_mapping);
       const at::Tensor attention = paged_decode_attention(q, kv_caches[i], block_tables, seq_lens, scale_,
                                                           layer.window, layer.softcap, std::nullopt);
@@ -452,16 +475,19 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor projected = linears_[layer.o](attended);
       lora.add(layer.lora[kO], kO, attended, projected);
       if (reduce_.defined()) reduce_(projected);
-      const bool sandwich = layer.pre_ff_norm.defined();
-      if (sandwich) {  // Gemma's: the output normalised, then added to the stream and normalised for the MLP
-        std::tie(hidden, residual) =
-            add_rms_norm(rms_norm(projected, layer.post_norm, eps_), residual, layer.pre_ff_norm, eps_);
+      const bool sandwich = layer.pre_ff_norm.defined(), scaled = layer.residual_multiplier != 1.0;
+      if (sandwich) {  // Gemma's: the output normalised (and scaled), then added to the stream and normalised
+        at::Tensor normed = rms_norm(projected, layer.post_norm, eps_);
+        if (scaled) normed = normed * layer.residual_multiplier;
+        std::tie(hidden, residual) = add_rms_norm(normed, residual, layer.pre_ff_norm, eps_);
       } else {
+        if (scaled) projected = projected * layer.residual_multiplier;
         std::tie(hidden, residual) = add_rms_norm(projected, residual, layer.post_norm, eps_);
       }
       hidden = layer.experts ? mixture(*layer.experts, hidden) : dense_mlp(layer, hidden, lora);
       if (reduce_.defined()) reduce_(hidden);
       if (sandwich) hidden = rms_norm(hidden, layer.post_ff_norm, eps_);
+      if (scaled) hidden = hidden * layer.residual_multiplier;
       // Another thread writes the flag while this runs (without the GIL): an atomic read of a plain int.
       if (stop_flag != nullptr && __atomic_load_n(stop_flag, __ATOMIC_RELAXED) != 0) {
         return hidden.new_empty({0, hidden.size(1)});
@@ -475,6 +501,18 @@ class DecodeStack : public torch::CustomClassHolder {
   void check_linear(int64_t index) const {
     LADLE_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "no linear %lld",
                 static_cast<long long>(index));
+  }
+
+  // engine_server/layers/attention.py's rope: over the whole head, or over its first rotary_dim_ dims (each turned
+  // as a contiguous copy, the rest concatenated after).
+  std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& cos_sin_cache) const {
+    if (rotary_dim_ == head_dim_) return rotary_embedding(positions, q, k, cos_sin_cache);
+    const int64_t rest = head_dim_ - rotary_dim_;
+    auto [q_turned, k_turned] = rotary_embedding(positions, q.narrow(-1, 0, rotary_dim_).contiguous(),
+                                                 k.narrow(-1, 0, rotary_dim_).contiguous(), cos_sin_cache);
+    return {at::cat({q_turned, q.narrow(-1, rotary_dim_, rest)}, -1),
+            at::cat({k_turned, k.narrow(-1, rotary_dim_, rest)}, -1)};
   }
 
   // engine_server/layers/mlp.py's GatedMLP.partial with SiLU: down(silu_and_mul(gate_up(x))), each projection
@@ -506,6 +544,7 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   int64_t heads_, kv_heads_, head_dim_;
+  int64_t rotary_dim_ = head_dim_;  // the dims rope turns (set_rotary_dim)
   double eps_, scale_;
   at::Tensor cos_sin_cache_, final_norm_;
   at::Tensor local_cos_sin_cache_;  // the windowed layers' own rope table (set_local_rope), or undefined
@@ -527,6 +566,8 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
       .def("set_clip_qkv", &ladle_cpu::DecodeStack::set_clip_qkv)
       .def("set_gemma_block", &ladle_cpu::DecodeStack::set_gemma_block)
       .def("set_local_rope", &ladle_cpu::DecodeStack::set_local_rope)
+      .def("set_layer_options", &ladle_cpu::DecodeStack::set_layer_options)
+      .def("set_rotary_dim", &ladle_cpu::DecodeStack::set_rotary_dim)
       .def("set_experts", &ladle_cpu::DecodeStack::set_experts)
       .def("set_shared_expert", &ladle_cpu::DecodeStack::set_shared_expert)
       .def("num_layers", &ladle_cpu::DecodeStack::num_layers)

@@ -57,9 +57,9 @@ TINY_QWEN2_MOE = dataclasses.replace(
 
 
 
-def _gemma(model_type: str, **quirks: Any) -> ModelConfig:
-    """A Gemma of TINY_LLAMA's shape, read from its Hugging Face config: windowed layers of 8 tokens beside full
-    ones (Gemma 2 and 3), the query scale of `query_pre_attn_scalar`, the embeddings scaled, GeGLU."""
+def _from_hf(model_type: str, **quirks: Any) -> ModelConfig:
+    """A `model_type` model of TINY_LLAMA's shape (3 layers), read from its Hugging Face config with `quirks` (a
+    Gemma's query scale by `query_pre_attn_scalar`)."""
     shape = {"vocab_size": TINY_LLAMA.vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
              "query_pre_attn_scalar": 24}  # fmt: skip
@@ -68,13 +68,28 @@ def _gemma(model_type: str, **quirks: Any) -> ModelConfig:
 
 # Gemma 1's GeGLU and scaled embeddings; Gemma 2's sandwich norms, windows and soft-capped scores; Gemma 3's q/k
 # norms and its windowed layers' own rope base beside the full layers' linearly scaled one.
-TINY_GEMMA = _gemma("gemma")
-TINY_GEMMA2 = _gemma("gemma2", sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=30.0)
-TINY_GEMMA3 = _gemma(
+TINY_GEMMA = _from_hf("gemma")
+TINY_GEMMA2 = _from_hf("gemma2", sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=30.0)
+TINY_GEMMA3 = _from_hf(
     "gemma3_text", sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
 )  # fmt: skip
+
+# Phi-3's rope over half of each head under LongRoPE (its long factors past 16 tokens: the later steps' rows);
+# SmolLM3's NoPE layer (the second); Granite's embedding, residual and attention multipliers.
+TINY_PHI3 = _from_hf(
+    "phi3", partial_rotary_factor=0.5, original_max_position_embeddings=16,
+    rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 2.5], "long_factor": [3.0, 5.0, 7.0, 9.0]},
+)  # fmt: skip
+TINY_SMOLLM3 = _from_hf("smollm3", no_rope_layers=[1, 0, 1])
+TINY_GRANITE = _from_hf(
+    "granite", embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.25, logits_scaling=8.0
+)
+
+# HyperCLOVA X SEED's block: Gemma's sandwich norms with Granite's residual multiplier (each output normalised, then
+# scaled before its residual add).
+TINY_SANDWICH_SCALED = dataclasses.replace(TINY_GEMMA2, residual_multiplier=0.5, name="sandwich-scaled")
 
 
 class CountingStack:
@@ -100,9 +115,9 @@ def int8_runner(model: ModelConfig) -> ModelRunner:
 @pytest.mark.parametrize(
     "model",
     [TINY_LLAMA, TINY_QWEN2, TINY_QWEN3, TINY_QWEN3_MOE, TINY_QWEN2_MOE, TINY_OLMOE, TINY_GEMMA, TINY_GEMMA2,
-     TINY_GEMMA3],
+     TINY_GEMMA3, TINY_PHI3, TINY_SMOLLM3, TINY_GRANITE, TINY_SANDWICH_SCALED],
     ids=["llama", "qwen2-bias", "qwen3-qk-norms", "qwen3-moe", "qwen2-moe-shared", "olmoe", "gemma", "gemma2",
-         "gemma3"],
+         "gemma3", "phi3-partial-longrope", "smollm3-nope", "granite-multipliers", "hyperclovax-sandwich-scaled"],
 )  # fmt: skip
 def test_every_step_equals_the_layers_bit_for_bit(model: ModelConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     reference, candidate = int8_runner(model), int8_runner(model)
@@ -271,8 +286,8 @@ def test_steps_with_lora_adapters_equal_the_layers_bit_for_bit(
 
 
 def test_models_it_does_not_cover_keep_the_layers() -> None:
-    partial_rotary = dataclasses.replace(TINY_LLAMA, architecture="phi3", partial_rotary_factor=0.5, name="phi")
-    assert int8_runner(partial_rotary).model.model.decode_stack is None
+    sinks = dataclasses.replace(TINY_LLAMA, attention_sinks=True, name="sinks")  # (gpt-oss's)
+    assert int8_runner(sinks).model.model.decode_stack is None
     float_runner = ModelRunner(load_model(source_of(TINY_LLAMA), tiny_engine_config(), MAX_MODEL_LEN))
     assert float_runner.model.model.decode_stack is None
     assert build_decode_stack(float_runner.model.model) is None

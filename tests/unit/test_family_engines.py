@@ -310,12 +310,13 @@ def test_gemma3_under_tensor_parallelism_and_chunked_prefill_equals_transformers
 
 
 def test_gemma3_on_the_quantized_path_is_batch_invariant(gemma3_folder: tuple[Path, GreedyReference]) -> None:
-    """int8 weights on the layers (the C++ decode stack does not take Gemma's blocks): each prompt's tokens are
-    the same alone and batched, and mostly agree with the float path's first tokens."""
+    """int8 weights, its steps in the C++ decode stack (Gemma's blocks: tests/unit/test_decode_stack.py holds them
+    to the layers bit for bit): each prompt's tokens are the same alone and batched, and mostly agree with the float
+    path's first tokens."""
     folder, theirs = gemma3_folder
     batch = prompts()
     with engine(folder, quantization="int8") as llm:
-        assert llm.core.runner.loaded.model.model.decode_stack is None
+        assert llm.core.runner.loaded.model.model.decode_stack is not None
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
     assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
@@ -896,19 +897,17 @@ def test_hf_overrides_give_a_model_yarn_as_its_config_would(tmp_path: Path) -> N
      "biogpt"],
 )
 def test_newer_families_on_the_quantized_path_are_batch_invariant(name: str, tmp_path: Path) -> None:
-    """int8 weights on the layers (the C++ decode stack turns every layer's q and k, scales no residual and runs
-    pre-norm blocks, so it runs neither SmolLM3's, Cohere 2's or Llama 4's NoPE layers, Granite's multipliers
-    (HyperCLOVA X's sandwich too),
-    OLMo 2's post-norm blocks, Cohere's parallel ones, Ministral 3's scaled queries, Hunyuan's q/k norms after
-    rope (NanoChat's too), Apertus's xIELU MLP, PhiMoE's LayerNorms and router nor the GPT-NeoX lineage's GELU MLPs
-    and LayerNorms;
-    Llama 4's, Hunyuan's and PhiMoE's experts quantized too): each prompt's tokens are
-    the same alone and batched, and mostly agree with the float path's."""
+    """int8 weights, SmolLM3's NoPE layers, Granite's multipliers and HyperCLOVA X's (beside its sandwich norms) in
+    the C++ decode stack, the others on the layers (the stack runs neither Cohere 2's or Llama 4's NoPE layers,
+    OLMo 2's post-norm blocks, Cohere's parallel ones, Ministral 3's scaled queries, Hunyuan's q/k norms
+    after rope (NanoChat's too), Apertus's xIELU MLP, PhiMoE's LayerNorms and router nor the GPT-NeoX lineage's GELU
+    MLPs and LayerNorms; Llama 4's, Hunyuan's and PhiMoE's experts quantized too): each prompt's tokens are the same
+    alone and batched, and mostly agree with the float path's."""
     folder = save_family(tmp_path, name)
     theirs, batch = reference_tokens(folder), prompts()
     with engine(folder, quantization="int8") as llm:
         model = llm.core.runner.loaded.model
-        assert model.model.decode_stack is None
+        assert (model.model.decode_stack is not None) == (name in ("smollm3", "granite", "hyperclovax"))
         banks = sum(isinstance(module, QuantizedExperts) for module in model.modules())
         # Llama 4's sparse layers, one in two; Cohere2-MoE's after its dense first
         assert banks == {"llama4": 2, "hunyuan-moe": 4, "phimoe": 4, "cohere2-moe": 3, "mimo-v2-flash": 3}.get(name, 0)
