@@ -116,6 +116,8 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
         return None
     if any(_attends_otherwise(attention) for attention in attentions):
         return None
+    if any(attention.scale != first.scale for attention in attentions):  # the stack scales every layer's alike
+        return None
     if any(attention.attn_sub_norm is not None for attention in attentions):  # BitNet's norm before o_proj
         return None
     if any(attention.temperature for attention in attentions):  # Ministral 3's query scale by position
