@@ -135,12 +135,34 @@ def _multimodal(kind: str) -> Any:
     config = config_class(**{**keys, **shrunk, "text_config": text})
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).eval()
-    towers = ("vision", "visual", "multi_modal_projector", "connector", "audio", "image_newline")
+    _draw_text_model(model, ("vision", "visual", "multi_modal_projector", "connector", "audio", "image_newline"))
+    return model
+
+
+def _draw_text_model(model: Any, towers: tuple[str, ...]) -> None:
+    """`model`'s matrices but its towers' (names with one of `towers` in them) drawn as the family tests draw a text
+    model's: N(0, 0.08), routers N(0, 0.3)."""
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if parameter.dim() > 1 and not any(part in name for part in towers):
                 parameter.normal_(0.0, 0.3 if name.endswith(("mlp.gate.weight", "router.weight")) else 0.08)
-    return model
+
+
+def _saved(model: Any, folder: Path) -> None:
+    model.save_pretrained(folder)
+    copy_tokenizer(folder)
+
+
+def assert_serves_like(reference: Any, folder: Path, **overrides: Any) -> GreedyReference:
+    """The engine on `folder` (a multimodal checkpoint) gives `reference`'s greedy tokens for the first four prompts,
+    batched (each of `reference`'s decoded alone); returns those (`GreedyReference`, computed)."""
+    batch = prompts()[:4]
+    theirs = GreedyReference(reference, batch, NUM_TOKENS)
+    with engine(folder, **overrides) as llm:
+        assert llm.core.model_config.multimodal is not None
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+    return theirs
 
 
 @pytest.mark.parametrize("kind", sorted(WRAPPERS))
@@ -148,14 +170,8 @@ def test_a_multimodal_checkpoint_serves_its_text_model(kind: str, tmp_path: Path
     """Each multimodal checkpoint as transformers saves it: the engine's greedy tokens on text prompts, batched,
     equal transformers' multimodal model's, each prompt decoded alone."""
     model = _multimodal(kind)
-    model.save_pretrained(tmp_path)
-    copy_tokenizer(tmp_path)
-    batch = prompts()[:4]
-    theirs = GreedyReference(model, batch, NUM_TOKENS)
-    with engine(tmp_path) as llm:
-        assert llm.core.model_config.multimodal is not None
-        ours = tokens(llm, batch)
-        assert ours == theirs.of(ours)
+    _saved(model, tmp_path)
+    assert_serves_like(model, tmp_path)
 
 
 # The omni checkpoints, by their thinker's kind: the thinker's names under `thinker.`, a speech talker beside it.
@@ -177,8 +193,7 @@ def test_an_omni_checkpoint_serves_its_thinkers_text_model(kind: str, tmp_path: 
     from safetensors.torch import load_file, save_file
 
     thinker = _multimodal(OMNI[kind])
-    thinker.save_pretrained(tmp_path)
-    copy_tokenizer(tmp_path)
+    _saved(thinker, tmp_path)
     state = load_file(tmp_path / "model.safetensors")
     released = {"thinker." + name.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
                 .replace("model.audio_tower.", "audio_tower."): tensor for name, tensor in state.items()}
@@ -188,12 +203,7 @@ def test_an_omni_checkpoint_serves_its_thinkers_text_model(kind: str, tmp_path: 
     config = json.loads((tmp_path / "config.json").read_text())
     composite = {"model_type": kind, "architectures": [], "thinker_config": config}
     (tmp_path / "config.json").write_text(json.dumps(composite))
-    batch = prompts()[:4]
-    theirs = GreedyReference(thinker, batch, NUM_TOKENS)
-    with engine(tmp_path) as llm:
-        assert llm.core.model_config.multimodal is not None
-        ours = tokens(llm, batch)
-        assert ours == theirs.of(ours)
+    assert_serves_like(thinker, tmp_path)
 
 
 # The names each kind's checkpoints were released under, from transformers 5's (which it reads both of).
@@ -217,8 +227,7 @@ def test_a_multimodal_checkpoint_in_its_released_layout_serves_its_text_model(ki
     from safetensors.torch import load_file, save_file
 
     model = _multimodal(kind)
-    model.save_pretrained(tmp_path)
-    copy_tokenizer(tmp_path)
+    _saved(model, tmp_path)
     state = load_file(tmp_path / "model.safetensors")
     released = {}
     for name, tensor in state.items():
@@ -230,18 +239,9 @@ def test_a_multimodal_checkpoint_in_its_released_layout_serves_its_text_model(ki
             tensor = tensor.transpose(1, 2).contiguous()
         released[name] = tensor
     save_file(released, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    batch = prompts()[:4]
-    theirs = GreedyReference(model, batch, NUM_TOKENS)
-    with engine(tmp_path) as llm:
-        ours = tokens(llm, batch)
-        assert ours == theirs.of(ours)
+    theirs = assert_serves_like(model, tmp_path)
     reread = type(model).from_pretrained(tmp_path, dtype=torch.float32).eval()
-    assert tokens_of(reread, batch) == theirs.of()
-
-
-def tokens_of(model: Any, batch: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy tokens of `model` for each of `batch`, decoded alone."""
-    return GreedyReference(model, batch, NUM_TOKENS).of()
+    assert GreedyReference(reread, theirs.prompts, NUM_TOKENS).of() == theirs.of()
 
 
 # Released configs, as published: Gemma 3 4B's (its text model's shape, the rest Gemma3TextConfig's defaults; the
@@ -326,13 +326,8 @@ def test_a_multimodal_checkpoint_over_two_ranks_serves_its_text_model(kind: str,
     """Under tensor parallelism each rank reads its part of the text model from the multimodal checkpoint (Llama
     3.2 Vision's layers numbered on past its cross-attention ones, Qwen3-VL-MoE's experts split)."""
     model = _multimodal(kind)
-    model.save_pretrained(tmp_path)
-    copy_tokenizer(tmp_path)
-    batch = prompts()[:4]
-    theirs = GreedyReference(model, batch, NUM_TOKENS)
-    with engine(tmp_path, tensor_parallel_size=2) as llm:
-        ours = tokens(llm, batch)
-        assert ours == theirs.of(ours)
+    _saved(model, tmp_path)
+    assert_serves_like(model, tmp_path, tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize("released", [False, True], ids=["transformers", "released"])
@@ -356,12 +351,8 @@ def test_phi4_multimodal_serves_its_text_model_without_its_adapters(released: bo
     config = transformers.Phi4MultimodalConfig(**{**_SHAPE, **quirks, **towers})
     torch.manual_seed(0)
     model = transformers.Phi4MultimodalForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if parameter.dim() > 1 and "embed_tokens_extend" not in name:
-                parameter.normal_(0.0, 0.08)
-    model.save_pretrained(tmp_path)
-    copy_tokenizer(tmp_path)
+    _draw_text_model(model, ("embed_tokens_extend",))
+    _saved(model, tmp_path)
     if released:
         state = load_file(tmp_path / "model.safetensors")
         wrapped = {}
@@ -375,9 +366,6 @@ def test_phi4_multimodal_serves_its_text_model_without_its_adapters(released: bo
             else:
                 wrapped[name] = tensor
         save_file(wrapped, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    batch = prompts()[:4]
-    theirs = GreedyReference(model, batch, NUM_TOKENS)
-    with engine(tmp_path) as llm:
-        assert llm.core.model_config.architecture == "phi3" and llm.core.model_config.partial_rotary_factor == 0.75
-        ours = tokens(llm, batch)
-        assert ours == theirs.of(ours)
+    read = model_config_from_hf(json.loads((tmp_path / "config.json").read_text()))
+    assert read.architecture == "phi3" and read.partial_rotary_factor == 0.75
+    assert_serves_like(model, tmp_path)
