@@ -87,8 +87,8 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     apply: a projection that is not a `QuantizedLinear`, a mixture of experts not over `QuantizedExperts` with a
     `RowwiseLinear` router (`_moe_parts`), rope over a share of the head that differs between layers (Laguna),
     Beam's or Ergo's blocks (it runs Gemma's sandwich norms, GeGLU, soft-capping and windowed layers' own rope, as
-    Phi-3's partial rotary and LongRoPE, SmolLM3's NoPE layers and Granite's multipliers), attention sinks (gpt-oss),
-    weightless q/k norms (Llama 4), queries scaled by position (Ministral 3), q/k norms after rope (Hunyuan), Llama
+    Phi-3's partial rotary and LongRoPE, SmolLM3's NoPE layers, Granite's multipliers and Ministral 3's query
+    temperatures), attention sinks (gpt-oss), weightless q/k norms (Llama 4), q/k norms after rope (Hunyuan), Llama
     4's router, PhiMoE's LayerNorms and router, hyper-connections (HY-V4), weights
     not on the CPU or not float32, a head dim the attention kernel is not built for, no C++ kernels, or tensor
     parallelism without the shared-memory all-reduce (which the stack then runs between its layers, on the same
@@ -119,8 +119,6 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     if any(attention.scale != first.scale for attention in attentions):  # the stack scales every layer's alike
         return None
     if any(attention.attn_sub_norm is not None for attention in attentions):  # BitNet's norm before o_proj
-        return None
-    if any(attention.temperature for attention in attentions):  # Ministral 3's query scale by position
         return None
     if first.qk_norm_after_rope:  # Hunyuan's q/k norms, which the stack runs before rope
         return None
@@ -188,6 +186,9 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
             stack.set_clip_qkv(attention.clip_qkv)
         if not attention.rope or layer.residual_multiplier != 1.0:  # SmolLM3's NoPE layers, Granite's scales
             stack.set_layer_options(attention.rope, layer.residual_multiplier)
+        if attention.temperature:  # Ministral 3's query scale by position
+            temperatures = attention.get_buffer("temperatures")
+            stack.set_query_temperature(temperatures, attention.temperature_floor, attention.temperature_offset)
         gelu = isinstance(layer.mlp, GatedMLP) and layer.mlp.activation == "gelu_tanh"
         norms = (
             (layer.pre_feedforward_layernorm.weight.detach(), layer.post_feedforward_layernorm.weight.detach())

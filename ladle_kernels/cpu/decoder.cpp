@@ -18,7 +18,8 @@
 // then h = post_ff(down(gelu_tanh(gate) * up)), with the windowed layers' rope from their own table and the
 // attention's scores soft-capped where the model does (Gemma 2). Rope turns each head's first rotary_dim dims alone
 // where the model says (Phi-3; the positions given are LongRoPE's table rows), none on SmolLM3's NoPE layers, and
-// Granite's outputs are scaled by its residual multiplier before each residual add.
+// Granite's outputs are scaled by its residual multiplier before each residual add; Ministral 3's queries by their
+// position's temperature before rope.
 // Every row is one new token with its own block table and length, so a prompt token is a row too (its sequence's
 // table, its position + 1: the layers' by-token attention).
 // A step can be stopped between two layers: `forward`'s optional `stop` flag (an int32 tensor another thread may
@@ -160,6 +161,10 @@ struct Layer {
   bool local_rope = false;  // rope from the windowed layers' own table (Gemma 2 and 3: set_local_rope)
   double softcap = 0.0;     // attention scores soft-capped (Gemma 2; 0: not)
   bool rope = true;         // rope on q and k (SmolLM3's NoPE layers: none; set_layer_options)
+  // The queries scaled by their position before rope (set_query_temperature): temperatures[floor((p + offset) /
+  // floor)], Ministral 3's; undefined for none.
+  at::Tensor temperatures;
+  int64_t temperature_floor = 1, temperature_offset = 0;
   double residual_multiplier = 1.0;  // each output scaled before its residual add (Granite's; set_layer_options)
 };
 
@@ -306,6 +311,18 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(!layers_.empty(), "no layer yet");
     layers_.back().rope = rope;
     layers_.back().residual_multiplier = residual_multiplier;
+  }
+
+  // The last layer's query temperature by position (Ministral 3's: engine_server/layers/attention.py's
+  // `_temperature`): q times temperatures[floor((p + offset) / floor)] after the q/k norms, before rope.
+  void set_query_temperature(at::Tensor temperatures, int64_t floor, int64_t offset) {
+    TORCH_CHECK(!layers_.empty(), "no layer yet");
+    TORCH_CHECK(temperatures.dim() == 1 && temperatures.scalar_type() == at::kFloat, "temperatures: [N] float32");
+    TORCH_CHECK(floor >= 1 && offset >= 0, "floor must be >= 1 and offset >= 0");
+    Layer& layer = layers_.back();
+    layer.temperatures = temperatures.contiguous();
+    layer.temperature_floor = floor;
+    layer.temperature_offset = offset;
   }
 
   // Rope over each head's first `rotary_dim` dims alone (Phi-3's partial rotary), the rest passed as they are.
@@ -463,6 +480,10 @@ class DecodeStack : public torch::CustomClassHolder {
         q = reference_rms_norm(q, layer.q_norm, layer.qk_eps);
         k = reference_rms_norm(k, layer.k_norm, layer.qk_eps);
       }
+      if (layer.temperatures.defined()) {  // as the layers index their table: the same rows, the same products
+        const at::Tensor steps = at::div(positions + layer.temperature_offset, layer.temperature_floor, "floor");
+        q = q * layer.temperatures.index({steps}).unsqueeze(-1).unsqueeze(-1);
+      }
       if (layer.rope) {
         std::tie(q, k) = rope(positions, q, k, layer.local_rope ? local_cos_sin_cache_ : cos_sin_cache_);
       } else {  // (rope's outputs are new tensors: without it, q is still a view of qkv's rows)
@@ -568,6 +589,7 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
       .def("set_local_rope", &ladle_cpu::DecodeStack::set_local_rope)
       .def("set_layer_options", &ladle_cpu::DecodeStack::set_layer_options)
       .def("set_rotary_dim", &ladle_cpu::DecodeStack::set_rotary_dim)
+      .def("set_query_temperature", &ladle_cpu::DecodeStack::set_query_temperature)
       .def("set_experts", &ladle_cpu::DecodeStack::set_experts)
       .def("set_shared_expert", &ladle_cpu::DecodeStack::set_shared_expert)
       .def("num_layers", &ladle_cpu::DecodeStack::num_layers)

@@ -91,6 +91,15 @@ TINY_GRANITE = _from_hf(
 # scaled before its residual add).
 TINY_SANDWICH_SCALED = dataclasses.replace(TINY_GEMMA2, residual_multiplier=0.5, name="sandwich-scaled")
 
+# Ministral 3: YaRN and Llama 4's query temperature by position over its 16-token original context (the later steps'
+# queries scaled).
+TINY_MINISTRAL3 = _from_hf(
+    "ministral3",
+    rope_parameters={"type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                     "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                     "llama_4_scaling_beta": 0.5},
+)  # fmt: skip
+
 
 class CountingStack:
     """Forwards to a DecodeStack, counting the steps it ran and keeping each one's `lora_segments` (None: a step
@@ -115,9 +124,11 @@ def int8_runner(model: ModelConfig) -> ModelRunner:
 @pytest.mark.parametrize(
     "model",
     [TINY_LLAMA, TINY_QWEN2, TINY_QWEN3, TINY_QWEN3_MOE, TINY_QWEN2_MOE, TINY_OLMOE, TINY_GEMMA, TINY_GEMMA2,
-     TINY_GEMMA3, TINY_PHI3, TINY_SMOLLM3, TINY_GRANITE, TINY_SANDWICH_SCALED],
+     TINY_GEMMA3, TINY_PHI3, TINY_SMOLLM3, TINY_GRANITE, TINY_SANDWICH_SCALED,
+     TINY_MINISTRAL3],
     ids=["llama", "qwen2-bias", "qwen3-qk-norms", "qwen3-moe", "qwen2-moe-shared", "olmoe", "gemma", "gemma2",
-         "gemma3", "phi3-partial-longrope", "smollm3-nope", "granite-multipliers", "hyperclovax-sandwich-scaled"],
+         "gemma3", "phi3-partial-longrope", "smollm3-nope", "granite-multipliers", "hyperclovax-sandwich-scaled",
+         "ministral3-temperature"],
 )  # fmt: skip
 def test_every_step_equals_the_layers_bit_for_bit(model: ModelConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     reference, candidate = int8_runner(model), int8_runner(model)
