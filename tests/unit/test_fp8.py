@@ -358,6 +358,24 @@ def test_a_multimodal_fp8_checkpoints_text_model_is_served_as_stored(tmp_path: P
         assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].choices[0].token_ids
 
 
+@pytest.mark.slow  # an engine on a saved model
+def test_a_qwen2_5_vl_fp8_checkpoints_text_model_is_served_as_stored(tmp_path: Path) -> None:
+    """Qwen2.5-VL's FP8 releases are multimodal checkpoints of the kinds `hf_multimodal` reads (the text model under
+    `model.` beside `visual.`, as released and as transformers saves it): each of its projections is an `Fp8Linear`
+    of the checkpoint's own blocks, its vision tower (quantized here too) not read."""
+    from tests.unit.test_multimodal_text_models import _multimodal, _saved
+
+    _saved(_multimodal("qwen2_5_vl"), tmp_path / "float")
+    dequantized = write_fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", "blockwise")
+    with engine(tmp_path / "fp8", "fp8") as llm:
+        served = llm.core.runner.model
+        layers = {name: m for name, m in served.named_modules() if isinstance(m, Fp8Linear)}
+        assert len(layers) == 4 * 4 and {m.format for m in layers.values()} == {"fp8_block"}
+        stored = "model.layers.1.self_attn.o_proj.weight"
+        assert torch.equal(_dense_weight(served.model.layers[1].self_attn.o_proj), dequantized[stored])
+        assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].choices[0].token_ids
+
+
 @pytest.mark.slow  # engines on a saved model
 def test_fp8_rows_the_model_reorders_at_load_are_quantized_again_in_its_order(tmp_path: Path) -> None:
     """GLM-4's checkpoints hold each head's rope pairs interleaved, which loading reads in halves order
