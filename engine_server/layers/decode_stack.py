@@ -22,11 +22,17 @@ import torch
 from torch import nn
 
 from engine_server.layers.attention import PagedSelfAttention
-from engine_server.layers.decoder import DecoderLayer, DecoderModel, DecodeStack, SandwichDecoderLayer
+from engine_server.layers.decoder import (
+    DecoderLayer,
+    DecoderModel,
+    DecodeStack,
+    ParallelDecoderLayer,
+    SandwichDecoderLayer,
+)
 from engine_server.layers.hyper_connections import HyperConnectedDecoderModel
 from engine_server.layers.mlp import GatedMLP
 from engine_server.layers.moe import SparseMoE
-from engine_server.layers.norm import RMSNorm
+from engine_server.layers.norm import LayerNorm, RMSNorm
 from engine_server.layers.quantized_experts import QuantizedExperts, RowwiseLinear
 from engine_server.layers.quantized_linear import QuantizedLinear
 from engine_server.lora.slots import LoraSlots
@@ -72,6 +78,17 @@ def _plain_sandwich(layer: nn.Module) -> bool:
     )
 
 
+def _cohere_block(layer: nn.Module) -> bool:
+    """Whether `layer` is Cohere's parallel block (one LayerNorm, weight alone, feeding the attention and a gated
+    MLP), which the stack runs (`set_parallel_blocks`); not Phi's or GPT-NeoX's (biased norms, a second norm)."""
+    return (
+        type(layer) is ParallelDecoderLayer
+        and not layer.mlp_norm
+        and type(layer.input_layernorm) is LayerNorm
+        and isinstance(layer.mlp, GatedMLP)
+    )
+
+
 def _attends_otherwise(attention: PagedSelfAttention) -> bool:
     """Whether `attention` does what the stack's does not: ALiBi (BLOOM's, MPT's, Baichuan's), an output gate
     (AFMoE's), weightless value norms, another layer's K/V (Gemma 4's), chunked attention (Llama 4's), int8 inputs
@@ -87,9 +104,10 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     apply: a projection that is not a `QuantizedLinear`, a mixture of experts not over `QuantizedExperts` with a
     `RowwiseLinear` router (`_moe_parts`), rope over a share of the head that differs between layers (Laguna),
     Beam's or Ergo's blocks (it runs Gemma's sandwich norms, GeGLU, soft-capping and windowed layers' own rope, as
-    Phi-3's partial rotary and LongRoPE, SmolLM3's NoPE layers, Granite's multipliers and Ministral 3's query
-    temperatures), attention sinks (gpt-oss), weightless q/k norms (Llama 4), q/k norms after rope (Hunyuan), Llama
-    4's router, PhiMoE's LayerNorms and router, hyper-connections (HY-V4), weights
+    Phi-3's partial rotary and LongRoPE, SmolLM3's NoPE layers, Granite's multipliers, Ministral 3's query
+    temperatures and Cohere's parallel blocks), attention sinks (gpt-oss), weightless q/k norms (Llama 4), q/k norms
+    after rope (Hunyuan), Llama 4's router, PhiMoE's, Jais 2's and OLMo's LayerNorms, hyper-connections (HY-V4),
+    weights
     not on the CPU or not float32, a head dim the attention kernel is not built for, no C++ kernels, or tensor
     parallelism without the shared-memory all-reduce (which the stack then runs between its layers, on the same
     buffers)."""
@@ -126,9 +144,10 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
         return None
     if any(isinstance(layer.mlp, SparseMoE) and layer.mlp.input_scaled for layer in layers):
         return None  # Llama 4's router, which scales the experts' inputs
-    if not all(type(layer) is DecoderLayer or _plain_sandwich(layer) for layer in layers):
+    parallel = all(_cohere_block(layer) for layer in layers) and type(model.norm) is LayerNorm
+    if not parallel and not all(type(layer) is DecoderLayer or _plain_sandwich(layer) for layer in layers):
         return None  # Beam's, Ergo's and OLMo 2's blocks, the other forms'
-    if type(model.norm) is not RMSNorm:  # PhiMoE's LayerNorms (Cohere's blocks are refused above)
+    if type(model.norm) is not RMSNorm and not parallel:  # PhiMoE's, Jais 2's, OLMo's LayerNorms
         return None
     plans: list[tuple[list[QuantizedLinear], MoeParts | None]] = []
     for layer, attention in zip(layers, attentions, strict=True):
@@ -173,12 +192,9 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     for layer, attention, (own, moe), reads_local in zip(layers, attentions, plans, model.local_rope_layers,
                                                           strict=True):  # fmt: skip
         ids = [add(linear) for linear in own] + ([-1, -1] if moe is not None else [])
-        stack.add_layer(
-            layer.input_layernorm.weight.detach(),
-            layer.post_attention_layernorm.weight.detach(),
-            *ids,
-            attention.window,
-        )
+        input_norm = layer.input_layernorm.weight.detach()
+        post_norm = input_norm if parallel else layer.post_attention_layernorm.weight.detach()  # (Cohere's: none)
+        stack.add_layer(input_norm, post_norm, *ids, attention.window)
         if attention.q_norm is not None and attention.k_norm is not None:
             q_weight, k_weight = attention.q_norm.weight.detach(), attention.k_norm.weight.detach()
             stack.set_qk_norms(q_weight, k_weight, attention.q_norm.eps, attention.qk_norm_whole)
@@ -206,6 +222,8 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
             if shared is not None:
                 gate = cast(RowwiseLinear, sparse.shared_expert_gate)
                 stack.set_shared_expert(gate.weight.detach(), add(shared[0]), add(shared[1]))
+    if parallel:
+        stack.set_parallel_blocks()
     return cast(DecodeStack, stack)
 
 

@@ -19,7 +19,8 @@
 // attention's scores soft-capped where the model does (Gemma 2). Rope turns each head's first rotary_dim dims alone
 // where the model says (Phi-3; the positions given are LongRoPE's table rows), none on SmolLM3's NoPE layers, and
 // Granite's outputs are scaled by its residual multiplier before each residual add; Ministral 3's queries by their
-// position's temperature before rope.
+// position's temperature before rope. Cohere's parallel blocks (set_parallel_blocks): s = h + r, h = ln(s),
+// h = o_proj(attn(h)) + mlp(h), r = s, with its LayerNorm (weight, no bias) for every norm.
 // Every row is one new token with its own block table and length, so a prompt token is a row too (its sequence's
 // table, its position + 1: the layers' by-token attention).
 // A step can be stopped between two layers: `forward`'s optional `stop` flag (an int32 tensor another thread may
@@ -454,7 +455,10 @@ class DecodeStack : public torch::CustomClassHolder {
     at::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
-      if (i == 0) {
+      if (parallel_) {  // Cohere's: the stream is the last layer's output plus its stream, then its LayerNorm
+        residual = i == 0 ? hidden : hidden + residual;
+        hidden = cohere_layer_norm(residual, layer.input_norm);
+      } else if (i == 0) {
         residual = hidden;
         hidden = rms_norm(hidden, layer.input_norm, eps_);
       } else {
@@ -496,6 +500,15 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor projected = linears_[layer.o](attended);
       lora.add(layer.lora[kO], kO, attended, projected);
       if (reduce_.defined()) reduce_(projected);
+      if (parallel_) {  // the MLP reads the attention's input: the layer's output is their sum
+        at::Tensor mlp = dense_mlp(layer, hidden, lora);
+        if (reduce_.defined()) reduce_(mlp);
+        hidden = projected + mlp;
+        if (stop_flag != nullptr && __atomic_load_n(stop_flag, __ATOMIC_RELAXED) != 0) {
+          return hidden.new_empty({0, hidden.size(1)});
+        }
+        continue;
+      }
       const bool sandwich = layer.pre_ff_norm.defined(), scaled = layer.residual_multiplier != 1.0;
       if (sandwich) {  // Gemma's: the output normalised (and scaled), then added to the stream and normalised
         at::Tensor normed = rms_norm(projected, layer.post_norm, eps_);
@@ -515,13 +528,32 @@ class DecodeStack : public torch::CustomClassHolder {
       }
     }
     TORCH_CHECK(residual.defined(), "the stack has no layers");
+    if (parallel_) return cohere_layer_norm(hidden + residual, final_norm_);
     return std::get<0>(add_rms_norm(hidden, residual, final_norm_, eps_));
+  }
+
+  // Every layer as Cohere's parallel block (`set_parallel_blocks`): h += attn(ln(h)) + mlp(ln(h)), one LayerNorm
+  // (weight, no bias) reading the stream for both, the final norm that LayerNorm too.
+  void set_parallel_blocks() {
+    for (const Layer& layer : layers_) {
+      TORCH_CHECK(!layer.experts.has_value() && !layer.pre_ff_norm.defined() && layer.residual_multiplier == 1.0,
+                  "parallel blocks are dense, without sandwich norms or multipliers");
+    }
+    parallel_ = true;
   }
 
  private:
   void check_linear(int64_t index) const {
     LADLE_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "no linear %lld",
                 static_cast<long long>(index));
+  }
+
+  // engine_server/layers/norm.py's LayerNorm (Cohere's, transformers' CohereLayerNorm) op for op in float32:
+  // weight * (x - mean(x)) * rsqrt(var(x) + eps), the variance the mean of the centred squares.
+  at::Tensor cohere_layer_norm(const at::Tensor& x, const at::Tensor& weight) const {
+    const at::Tensor centred = x - x.mean(-1, true);
+    const at::Tensor variance = centred.pow(2).mean(-1, true);
+    return weight * (centred * at::rsqrt(variance + eps_));
   }
 
   // engine_server/layers/attention.py's rope: over the whole head, or over its first rotary_dim_ dims (each turned
@@ -573,6 +605,7 @@ class DecodeStack : public torch::CustomClassHolder {
   std::vector<Layer> layers_;
   ShmAllReduce reduce_;
   bool has_lora_ = false;  // some layer's projection has LoRA slots (set_lora)
+  bool parallel_ = false;  // Cohere's parallel blocks and LayerNorms (set_parallel_blocks)
 };
 
 }  // namespace ladle_cpu
@@ -590,6 +623,7 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
       .def("set_layer_options", &ladle_cpu::DecodeStack::set_layer_options)
       .def("set_rotary_dim", &ladle_cpu::DecodeStack::set_rotary_dim)
       .def("set_query_temperature", &ladle_cpu::DecodeStack::set_query_temperature)
+      .def("set_parallel_blocks", &ladle_cpu::DecodeStack::set_parallel_blocks)
       .def("set_experts", &ladle_cpu::DecodeStack::set_experts)
       .def("set_shared_expert", &ladle_cpu::DecodeStack::set_shared_expert)
       .def("num_layers", &ladle_cpu::DecodeStack::num_layers)

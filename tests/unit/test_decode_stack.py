@@ -100,6 +100,14 @@ TINY_MINISTRAL3 = _from_hf(
                      "llama_4_scaling_beta": 0.5},
 )  # fmt: skip
 
+# Cohere's parallel blocks under one LayerNorm each (Command R), and Command R7B's: windows on three layers in four
+# with rope, NoPE on the full ones.
+TINY_COHERE = _from_hf("cohere", logit_scale=0.5)
+TINY_COHERE2 = _from_hf(
+    "cohere2", sliding_window=8, logit_scale=0.5,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+)  # fmt: skip
+
 
 class CountingStack:
     """Forwards to a DecodeStack, counting the steps it ran and keeping each one's `lora_segments` (None: a step
@@ -125,10 +133,10 @@ def int8_runner(model: ModelConfig) -> ModelRunner:
     "model",
     [TINY_LLAMA, TINY_QWEN2, TINY_QWEN3, TINY_QWEN3_MOE, TINY_QWEN2_MOE, TINY_OLMOE, TINY_GEMMA, TINY_GEMMA2,
      TINY_GEMMA3, TINY_PHI3, TINY_SMOLLM3, TINY_GRANITE, TINY_SANDWICH_SCALED,
-     TINY_MINISTRAL3],
+     TINY_MINISTRAL3, TINY_COHERE, TINY_COHERE2],
     ids=["llama", "qwen2-bias", "qwen3-qk-norms", "qwen3-moe", "qwen2-moe-shared", "olmoe", "gemma", "gemma2",
          "gemma3", "phi3-partial-longrope", "smollm3-nope", "granite-multipliers", "hyperclovax-sandwich-scaled",
-         "ministral3-temperature"],
+         "ministral3-temperature", "cohere-parallel", "cohere2-windows-nope"],
 )  # fmt: skip
 def test_every_step_equals_the_layers_bit_for_bit(model: ModelConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     reference, candidate = int8_runner(model), int8_runner(model)
