@@ -24,7 +24,8 @@ from benchmarks.common import append_result, cpu_model_name, git_commit, utc_tim
 
 PROMPT, NEW = 128, 128
 _SMALL = {"vocab_size": 49152, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 16,
-          "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64, "max_position_embeddings": 4096}
+          "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64, "max_position_embeddings": 4096,
+          "pad_token_id": 0}
 # Each family's transformers config class and its shape: Gemma 3 270M's text model (google/gemma-3-270m's
 # config.json); the others one small shape with each family's own parts (Phi-4-mini's partial rotary and LongRoPE,
 # SmolLM3's NoPE every fourth layer, Ministral 3's YaRN and query temperature, Command R7B's windows beside NoPE
