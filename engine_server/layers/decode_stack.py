@@ -107,10 +107,9 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     Phi-3's partial rotary and LongRoPE, SmolLM3's NoPE layers, Granite's multipliers, Ministral 3's query
     temperatures and Cohere's parallel blocks), attention sinks (gpt-oss), weightless q/k norms (Llama 4), q/k norms
     after rope (Hunyuan), Llama 4's router, PhiMoE's, Jais 2's and OLMo's LayerNorms, hyper-connections (HY-V4),
-    weights
-    not on the CPU or not float32, a head dim the attention kernel is not built for, no C++ kernels, or tensor
-    parallelism without the shared-memory all-reduce (which the stack then runs between its layers, on the same
-    buffers)."""
+    ALiBi and the other attentions of `_attends_otherwise`, weights not on the CPU or not float32, a head dim the
+    attention kernel is not built for, no C++ kernels, or tensor parallelism without the shared-memory all-reduce
+    (which the stack then runs between its layers, on the same buffers)."""
     if not model.stackable:
         return None
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
