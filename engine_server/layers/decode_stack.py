@@ -27,6 +27,7 @@ from engine_server.layers.decoder import (
     DecoderModel,
     DecodeStack,
     ParallelDecoderLayer,
+    PostNormDecoderLayer,
     SandwichDecoderLayer,
 )
 from engine_server.layers.hyper_connections import HyperConnectedDecoderModel
@@ -67,6 +68,10 @@ def _moe_parts(mlp: SparseMoE) -> MoeParts | None:
     return experts, router, [cast(QuantizedLinear, part) for part in parts]
 
 
+# The blocks the stack runs as they are: the pre-norm block, OLMo 2's post-norm one (`set_post_norm_block`).
+_PRE_OR_POST_NORM = (DecoderLayer, PostNormDecoderLayer)
+
+
 def _plain_sandwich(layer: nn.Module) -> bool:
     """Whether `layer` is Gemma 2 and 3's block alone (`SandwichDecoderLayer` without Beam's depth scales or Ergo's
     residual gates, which the stack does not run)."""
@@ -105,11 +110,11 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     `RowwiseLinear` router (`_moe_parts`), rope over a share of the head that differs between layers (Laguna),
     Beam's or Ergo's blocks (it runs Gemma's sandwich norms, GeGLU, soft-capping and windowed layers' own rope, as
     Phi-3's partial rotary and LongRoPE, SmolLM3's NoPE layers, Granite's multipliers, Ministral 3's query
-    temperatures and Cohere's parallel blocks), attention sinks (gpt-oss), weightless q/k norms (Llama 4), q/k norms
-    after rope (Hunyuan), Llama 4's router, PhiMoE's, Jais 2's and OLMo's LayerNorms, hyper-connections (HY-V4),
-    ALiBi and the other attentions of `_attends_otherwise`, weights not on the CPU or not float32, a head dim the
-    attention kernel is not built for, no C++ kernels, or tensor parallelism without the shared-memory all-reduce
-    (which the stack then runs between its layers, on the same buffers)."""
+    temperatures, Cohere's parallel blocks and OLMo 2's post-norm ones), attention sinks (gpt-oss), weightless q/k
+    norms (Llama 4), q/k norms after rope (Hunyuan), Llama 4's router, PhiMoE's, Jais 2's and OLMo's LayerNorms,
+    hyper-connections (HY-V4), ALiBi and the other attentions of `_attends_otherwise`, weights not on the CPU or not
+    float32, a head dim the attention kernel is not built for, no C++ kernels, or tensor parallelism without the
+    shared-memory all-reduce (which the stack then runs between its layers, on the same buffers)."""
     if not model.stackable:
         return None
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
@@ -144,8 +149,8 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     if any(isinstance(layer.mlp, SparseMoE) and layer.mlp.input_scaled for layer in layers):
         return None  # Llama 4's router, which scales the experts' inputs
     parallel = all(_cohere_block(layer) for layer in layers) and type(model.norm) is LayerNorm
-    if not parallel and not all(type(layer) is DecoderLayer or _plain_sandwich(layer) for layer in layers):
-        return None  # Beam's, Ergo's and OLMo 2's blocks, the other forms'
+    if not parallel and not all(type(layer) in _PRE_OR_POST_NORM or _plain_sandwich(layer) for layer in layers):
+        return None  # Beam's and Ergo's blocks, the other forms'
     if type(model.norm) is not RMSNorm and not parallel:  # PhiMoE's, Jais 2's, OLMo's LayerNorms
         return None
     plans: list[tuple[list[QuantizedLinear], MoeParts | None]] = []
@@ -191,9 +196,13 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     for layer, attention, (own, moe), reads_local in zip(layers, attentions, plans, model.local_rope_layers,
                                                           strict=True):  # fmt: skip
         ids = [add(linear) for linear in own] + ([-1, -1] if moe is not None else [])
-        input_norm = layer.input_layernorm.weight.detach()
-        post_norm = input_norm if parallel else layer.post_attention_layernorm.weight.detach()  # (Cohere's: none)
+        post_norm_block = isinstance(layer, PostNormDecoderLayer)  # (OLMo 2's: no input norm; Cohere's: one norm)
+        norm = layer.post_attention_layernorm if post_norm_block else layer.input_layernorm
+        input_norm = norm.weight.detach()
+        post_norm = input_norm if parallel else layer.post_attention_layernorm.weight.detach()
         stack.add_layer(input_norm, post_norm, *ids, attention.window)
+        if isinstance(layer, PostNormDecoderLayer):
+            stack.set_post_norm_block(layer.post_feedforward_layernorm.weight.detach())
         if attention.q_norm is not None and attention.k_norm is not None:
             q_weight, k_weight = attention.q_norm.weight.detach(), attention.k_norm.weight.detach()
             stack.set_qk_norms(q_weight, k_weight, attention.q_norm.eps, attention.qk_norm_whole)

@@ -26,7 +26,8 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
+        if not cfg.post_norms:  # (OLMo 2's blocks have none: each output is normalised instead)
+            shapes[p + "input_layernorm.weight"] = (h,)
         if cfg.is_linear_layer(i) and cfg.linear_attention is not None and cfg.linear_attention.kimi_delta:
             shapes.update(_kimi_delta_shapes(p + "self_attn.", cfg))
             shapes[p + "post_attention_layernorm.weight"] = (h,)
@@ -62,6 +63,7 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "post_attention_layernorm.weight"] = (h,)
         if cfg.sandwich_norms:
             shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+        if cfg.sandwich_norms or cfg.post_norms:
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         shapes.update(_mlp_block_shapes(p, cfg, i))
     shapes["model.norm.weight"] = (h,)

@@ -20,7 +20,8 @@
 // where the model says (Phi-3; the positions given are LongRoPE's table rows), none on SmolLM3's NoPE layers, and
 // Granite's outputs are scaled by its residual multiplier before each residual add; Ministral 3's queries by their
 // position's temperature before rope. Cohere's parallel blocks (set_parallel_blocks): s = h + r, h = ln(s),
-// h = o_proj(attn(h)) + mlp(h), r = s, with its LayerNorm (weight, no bias) for every norm.
+// h = o_proj(attn(h)) + mlp(h), r = s, with its LayerNorm (weight, no bias) for every norm. OLMo 2's post-norm
+// blocks (set_post_norm_block): s = h + r, s += post_attn(o_proj(attn(s))), h = post_ff(mlp(s)), r = s.
 // Every row is one new token with its own block table and length, so a prompt token is a row too (its sequence's
 // table, its position + 1: the layers' by-token attention).
 // A step can be stopped between two layers: `forward`'s optional `stop` flag (an int32 tensor another thread may
@@ -167,6 +168,7 @@ struct Layer {
   at::Tensor temperatures;
   int64_t temperature_floor = 1, temperature_offset = 0;
   double residual_multiplier = 1.0;  // each output scaled before its residual add (Granite's; set_layer_options)
+  bool post_norm_block = false;  // OLMo 2's block (set_post_norm_block): no pre-norms, outputs normalised
 };
 
 // x (a contiguous float32 CPU tensor) summed over the ranks in place: engine_server/parallel/shm_all_reduce.py's
@@ -296,6 +298,16 @@ class DecodeStack : public torch::CustomClassHolder {
     layer.gelu = gelu;
     layer.softcap = softcap;
     layer.local_rope = local_rope;
+  }
+
+  // The last layer as OLMo 2's block: the attention and the MLP read the stream itself, each output normalised
+  // (post_norm, then `post_ff_norm`) before its residual add.
+  void set_post_norm_block(at::Tensor post_ff_norm) {
+    TORCH_CHECK(!layers_.empty(), "no layer yet");
+    Layer& layer = layers_.back();
+    TORCH_CHECK(!layer.pre_ff_norm.defined() && layer.residual_multiplier == 1.0, "a post-norm block has no more");
+    layer.post_ff_norm = post_ff_norm.contiguous();
+    layer.post_norm_block = true;
   }
 
   // The rope table of the layers set_gemma_block marks local (Gemma 2 and 3's windowed layers: their own base).
@@ -458,6 +470,9 @@ class DecodeStack : public torch::CustomClassHolder {
       if (parallel_) {  // Cohere's: the stream is the last layer's output plus its stream, then its LayerNorm
         residual = i == 0 ? hidden : hidden + residual;
         hidden = cohere_layer_norm(residual, layer.input_norm);
+      } else if (layer.post_norm_block) {  // OLMo 2's: the attention reads the stream itself
+        residual = i == 0 ? hidden : hidden + residual;
+        hidden = residual;
       } else if (i == 0) {
         residual = hidden;
         hidden = rms_norm(hidden, layer.input_norm, eps_);
@@ -504,6 +519,16 @@ class DecodeStack : public torch::CustomClassHolder {
         at::Tensor mlp = dense_mlp(layer, hidden, lora);
         if (reduce_.defined()) reduce_(mlp);
         hidden = projected + mlp;
+        if (stop_flag != nullptr && __atomic_load_n(stop_flag, __ATOMIC_RELAXED) != 0) {
+          return hidden.new_empty({0, hidden.size(1)});
+        }
+        continue;
+      }
+      if (layer.post_norm_block) {  // the stream plus the normalised output; the MLP reads that stream
+        residual = residual + rms_norm(projected, layer.post_norm, eps_);
+        at::Tensor out = layer.experts ? mixture(*layer.experts, residual) : dense_mlp(layer, residual, lora);
+        if (reduce_.defined()) reduce_(out);
+        hidden = rms_norm(out, layer.post_ff_norm, eps_);
         if (stop_flag != nullptr && __atomic_load_n(stop_flag, __ATOMIC_RELAXED) != 0) {
           return hidden.new_empty({0, hidden.size(1)});
         }
@@ -624,6 +649,7 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
       .def("set_rotary_dim", &ladle_cpu::DecodeStack::set_rotary_dim)
       .def("set_query_temperature", &ladle_cpu::DecodeStack::set_query_temperature)
       .def("set_parallel_blocks", &ladle_cpu::DecodeStack::set_parallel_blocks)
+      .def("set_post_norm_block", &ladle_cpu::DecodeStack::set_post_norm_block)
       .def("set_experts", &ladle_cpu::DecodeStack::set_experts)
       .def("set_shared_expert", &ladle_cpu::DecodeStack::set_shared_expert)
       .def("num_layers", &ladle_cpu::DecodeStack::num_layers)

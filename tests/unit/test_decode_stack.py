@@ -108,6 +108,12 @@ TINY_COHERE2 = _from_hf(
     layer_types=["sliding_attention", "full_attention", "sliding_attention"],
 )  # fmt: skip
 
+# OLMo 2's post-norm blocks (q/k norms over the whole projection), OLMo 3's with windows on two layers in three.
+TINY_OLMO2 = _from_hf("olmo2")
+TINY_OLMO3 = _from_hf(
+    "olmo3", sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"]
+)
+
 
 class CountingStack:
     """Forwards to a DecodeStack, counting the steps it ran and keeping each one's `lora_segments` (None: a step
@@ -133,10 +139,10 @@ def int8_runner(model: ModelConfig) -> ModelRunner:
     "model",
     [TINY_LLAMA, TINY_QWEN2, TINY_QWEN3, TINY_QWEN3_MOE, TINY_QWEN2_MOE, TINY_OLMOE, TINY_GEMMA, TINY_GEMMA2,
      TINY_GEMMA3, TINY_PHI3, TINY_SMOLLM3, TINY_GRANITE, TINY_SANDWICH_SCALED,
-     TINY_MINISTRAL3, TINY_COHERE, TINY_COHERE2],
+     TINY_MINISTRAL3, TINY_COHERE, TINY_COHERE2, TINY_OLMO2, TINY_OLMO3],
     ids=["llama", "qwen2-bias", "qwen3-qk-norms", "qwen3-moe", "qwen2-moe-shared", "olmoe", "gemma", "gemma2",
          "gemma3", "phi3-partial-longrope", "smollm3-nope", "granite-multipliers", "hyperclovax-sandwich-scaled",
-         "ministral3-temperature", "cohere-parallel", "cohere2-windows-nope"],
+         "ministral3-temperature", "cohere-parallel", "cohere2-windows-nope", "olmo2-post-norm", "olmo3-windows"],
 )  # fmt: skip
 def test_every_step_equals_the_layers_bit_for_bit(model: ModelConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     reference, candidate = int8_runner(model), int8_runner(model)

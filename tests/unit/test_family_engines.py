@@ -898,8 +898,8 @@ def test_hf_overrides_give_a_model_yarn_as_its_config_would(tmp_path: Path) -> N
 )
 def test_newer_families_on_the_quantized_path_are_batch_invariant(name: str, tmp_path: Path) -> None:
     """int8 weights, SmolLM3's NoPE layers, Granite's multipliers, HyperCLOVA X's (beside its sandwich norms),
-    Ministral 3's scaled queries and Cohere 2's parallel blocks in the C++ decode stack, the others on the layers (the
-    stack runs neither Llama 4's NoPE layers, OLMo 2's post-norm blocks, Cohere 2 MoE's experts beside a parallel
+    Ministral 3's scaled queries, Cohere 2's parallel blocks and OLMo 2's post-norm ones in the C++ decode stack, the
+    others on the layers (the stack runs neither Llama 4's NoPE layers, Cohere 2 MoE's experts beside a parallel
     block, Hunyuan's q/k norms
     after rope (NanoChat's too), Apertus's xIELU MLP, PhiMoE's LayerNorms and router nor the GPT-NeoX lineage's GELU
     MLPs and LayerNorms; Llama 4's, Hunyuan's and PhiMoE's experts quantized too): each prompt's tokens are the same
@@ -908,7 +908,7 @@ def test_newer_families_on_the_quantized_path_are_batch_invariant(name: str, tmp
     theirs, batch = reference_tokens(folder), prompts()
     with engine(folder, quantization="int8") as llm:
         model = llm.core.runner.loaded.model
-        stacked = ("smollm3", "granite", "hyperclovax", "ministral3", "cohere2")
+        stacked = ("smollm3", "granite", "hyperclovax", "ministral3", "cohere2", "olmo2")
         assert (model.model.decode_stack is not None) == (name in stacked)
         banks = sum(isinstance(module, QuantizedExperts) for module in model.modules())
         # Llama 4's sparse layers, one in two; Cohere2-MoE's after its dense first
