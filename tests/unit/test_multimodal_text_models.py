@@ -37,7 +37,9 @@ _WHISPER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, 
             "num_mel_bins": 16, "max_source_positions": 8}  # fmt: skip
 # A tower's config keys set where a class's own default tower has them (`"shrunk"`).
 _SHRUNK = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "depth": 1, "num_attention_heads": 2,
-           "num_heads": 2, "out_hidden_size": 64, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
+           "num_heads": 2, "out_hidden_size": 64, "num_key_value_heads": 2, "head_dim": 16,
+           "encoder_layers": 1, "d_model": 32, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
+           "output_dim": 64}  # fmt: skip
 # M-RoPE over the 8 rotated pairs of a 16-wide head: 2 for time, 3 each for height and width (GLM-4.1V's over 4 of
 # them where it turns half the head).
 _MROPE = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
