@@ -196,13 +196,14 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     for layer, attention, (own, moe), reads_local in zip(layers, attentions, plans, model.local_rope_layers,
                                                           strict=True):  # fmt: skip
         ids = [add(linear) for linear in own] + ([-1, -1] if moe is not None else [])
-        post_norm_block = isinstance(layer, PostNormDecoderLayer)  # (OLMo 2's: no input norm; Cohere's: one norm)
-        norm = layer.post_attention_layernorm if post_norm_block else layer.input_layernorm
-        input_norm = norm.weight.detach()
-        post_norm = input_norm if parallel else layer.post_attention_layernorm.weight.detach()
-        stack.add_layer(input_norm, post_norm, *ids, attention.window)
-        if isinstance(layer, PostNormDecoderLayer):
+        if isinstance(layer, PostNormDecoderLayer):  # OLMo 2's: no input norm (the stack reads none for it)
+            post_norm = layer.post_attention_layernorm.weight.detach()
+            stack.add_layer(post_norm, post_norm, *ids, attention.window)
             stack.set_post_norm_block(layer.post_feedforward_layernorm.weight.detach())
+        else:  # (Cohere's one norm feeds both halves)
+            input_norm = layer.input_layernorm.weight.detach()
+            post_norm = input_norm if parallel else layer.post_attention_layernorm.weight.detach()
+            stack.add_layer(input_norm, post_norm, *ids, attention.window)
         if attention.q_norm is not None and attention.k_norm is not None:
             q_weight, k_weight = attention.q_norm.weight.detach(), attention.k_norm.weight.detach()
             stack.set_qk_norms(q_weight, k_weight, attention.q_norm.eps, attention.qk_norm_whole)

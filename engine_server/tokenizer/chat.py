@@ -91,7 +91,7 @@ def content_as_parts(tokenizer: Any) -> bool:
     rendered as a string does not show, as one text part it does (vLLM's "openai" content format, which it finds
     in the template's syntax). Worked out once per template."""
     template = getattr(tokenizer, "chat_template", None)
-    key = repr(template)
+    key = template if isinstance(template, str) else repr(template)  # (a str's hash is kept: no copy a request)
     if key not in _PARTS_TEMPLATES:
         as_string = _probe(tokenizer, _CONTENT_PROBE)
         _PARTS_TEMPLATES[key] = _CONTENT_PROBE not in as_string and _CONTENT_PROBE in _probe(

@@ -463,6 +463,8 @@ class DecodeStack : public torch::CustomClassHolder {
                   "lora_slots must be a [T] int32 or int64 CPU tensor");
       lora = StepLora{*lora_slots, lora_segments};
     }
+    // Another thread writes the flag while this runs (without the GIL): an atomic read of a plain int.
+    const auto stopped = [stop_flag] { return stop_flag != nullptr && __atomic_load_n(stop_flag, __ATOMIC_RELAXED); };
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     at::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -519,9 +521,7 @@ class DecodeStack : public torch::CustomClassHolder {
         at::Tensor mlp = dense_mlp(layer, hidden, lora);
         if (reduce_.defined()) reduce_(mlp);
         hidden = projected + mlp;
-        if (stop_flag != nullptr && __atomic_load_n(stop_flag, __ATOMIC_RELAXED) != 0) {
-          return hidden.new_empty({0, hidden.size(1)});
-        }
+        if (stopped()) return hidden.new_empty({0, hidden.size(1)});
         continue;
       }
       if (layer.post_norm_block) {  // the stream plus the normalised output; the MLP reads that stream
@@ -529,9 +529,7 @@ class DecodeStack : public torch::CustomClassHolder {
         at::Tensor out = layer.experts ? mixture(*layer.experts, residual) : dense_mlp(layer, residual, lora);
         if (reduce_.defined()) reduce_(out);
         hidden = rms_norm(out, layer.post_ff_norm, eps_);
-        if (stop_flag != nullptr && __atomic_load_n(stop_flag, __ATOMIC_RELAXED) != 0) {
-          return hidden.new_empty({0, hidden.size(1)});
-        }
+        if (stopped()) return hidden.new_empty({0, hidden.size(1)});
         continue;
       }
       const bool sandwich = layer.pre_ff_norm.defined(), scaled = layer.residual_multiplier != 1.0;
@@ -547,10 +545,7 @@ class DecodeStack : public torch::CustomClassHolder {
       if (reduce_.defined()) reduce_(hidden);
       if (sandwich) hidden = rms_norm(hidden, layer.post_ff_norm, eps_);
       if (scaled) hidden = hidden * layer.residual_multiplier;
-      // Another thread writes the flag while this runs (without the GIL): an atomic read of a plain int.
-      if (stop_flag != nullptr && __atomic_load_n(stop_flag, __ATOMIC_RELAXED) != 0) {
-        return hidden.new_empty({0, hidden.size(1)});
-      }
+      if (stopped()) return hidden.new_empty({0, hidden.size(1)});
     }
     TORCH_CHECK(residual.defined(), "the stack has no layers");
     if (parallel_) return cohere_layer_norm(hidden + residual, final_norm_);
