@@ -223,10 +223,13 @@ class ChatMessage(_message.Message):
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
     TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
+    CONTENT_PARTS_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """"system", "user", "assistant" or "tool"."""
     content: _builtins.str
-    """The text of the turn (multi-part content is joined by the caller)."""
+    """The text of the turn (multi-part text content is joined by the caller). A turn that holds images sends
+    `content_parts` instead.
+    """
     tool_call_id: _builtins.str
     """For role "tool": the id of the call this message answers."""
     name: _builtins.str
@@ -234,6 +237,12 @@ class ChatMessage(_message.Message):
     @_builtins.property
     def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
         """Tool calls an assistant turn made."""
+
+    @_builtins.property
+    def content_parts(self) -> _containers.RepeatedCompositeFieldContainer[Global___ContentPart]:
+        """The turn's content as ordered parts, for a turn that holds images (text, an image, more text): set either
+        this or `content`, not both. A model that reads no images refuses a turn with an image (INVALID_ARGUMENT).
+        """
 
     def __init__(
         self,
@@ -243,14 +252,69 @@ class ChatMessage(_message.Message):
         tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
         tool_call_id: _builtins.str = ...,
         name: _builtins.str = ...,
+        content_parts: _abc.Iterable[Global___ContentPart] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "name", b"name", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "content_parts", b"content_parts", "name", b"name", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class ContentPart(_message.Message):
+    """ContentPart is one piece of a chat turn's content."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """Text."""
+    @_builtins.property
+    def image(self) -> Global___Image:
+        """An image, at its place among the turn's text."""
+
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        image: Global___Image | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["image", b"image", "part", b"part", "text", b"text"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["image", b"image", "part", b"part", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["text", "image"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___ContentPart: _TypeAlias = ContentPart  # noqa: Y015
+
+@_typing.final
+class Image(_message.Message):
+    """Image is one image of a chat turn, as its encoded file (the gateway turns an OpenAI `image_url`, a data: URL or
+    a fetched http(s) one, into these bytes).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """The file's bytes: PNG, JPEG, WebP, GIF or BMP (the first frame of an animation)."""
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Image: _TypeAlias = Image  # noqa: Y015
 
 @_typing.final
 class Tool(_message.Message):

@@ -14,7 +14,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file ladle/v1/types.proto.
  */
 export const file_ladle_v1_types: GenFile = /*@__PURE__*/
-  fileDesc("ChRsYWRsZS92MS90eXBlcy5wcm90bxIIbGFkbGUudjEibQoFSW5wdXQSDgoEdGV4dBgBIAEoCUgAEiMKBGNoYXQYAiABKAsyEy5sYWRsZS52MS5DaGF0SW5wdXRIABInCgl0b2tlbl9pZHMYAyABKAsyEi5sYWRsZS52MS5Ub2tlbklkc0gAQgYKBGtpbmQiFwoIVG9rZW5JZHMSCwoDaWRzGAEgAygNIt8BCglDaGF0SW5wdXQSJwoIbWVzc2FnZXMYASADKAsyFS5sYWRsZS52MS5DaGF0TWVzc2FnZRIdCgV0b29scxgCIAMoCzIOLmxhZGxlLnYxLlRvb2wSKQoLdG9vbF9jaG9pY2UYAyABKAsyFC5sYWRsZS52MS5Ub29sQ2hvaWNlEiIKFWFkZF9nZW5lcmF0aW9uX3Byb21wdBgEIAEoCEgAiAEBEiEKGWNoYXRfdGVtcGxhdGVfa3dhcmdzX2pzb24YBSABKAlCGAoWX2FkZF9nZW5lcmF0aW9uX3Byb21wdCJ4CgtDaGF0TWVzc2FnZRIMCgRyb2xlGAEgASgJEg8KB2NvbnRlbnQYAiABKAkSJgoKdG9vbF9jYWxscxgDIAMoCzISLmxhZGxlLnYxLlRvb2xDYWxsEhQKDHRvb2xfY2FsbF9pZBgEIAEoCRIMCgRuYW1lGAUgASgJIlIKBFRvb2wSDAoEbmFtZRgBIAEoCRITCgtkZXNjcmlwdGlvbhgCIAEoCRIXCg9wYXJhbWV0ZXJzX2pzb24YAyABKAkSDgoGc3RyaWN0GAQgASgIIlkKClRvb2xDaG9pY2USKAoEbW9kZRgBIAEoDjIYLmxhZGxlLnYxLlRvb2xDaG9pY2VNb2RlSAASFwoNZnVuY3Rpb25fbmFtZRgCIAEoCUgAQggKBmNob2ljZSI8CghUb29sQ2FsbBIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEhYKDmFyZ3VtZW50c19qc29uGAMgASgJIlYKDVRvb2xDYWxsRGVsdGESDQoFaW5kZXgYASABKA0SCgoCaWQYAiABKAkSDAoEbmFtZRgDIAEoCRIcChRhcmd1bWVudHNfanNvbl9kZWx0YRgEIAEoCSKmBgoOU2FtcGxpbmdQYXJhbXMSFwoKbWF4X3Rva2VucxgBIAEoDUgAiAEBEhgKC3RlbXBlcmF0dXJlGAIgASgCSAGIAQESEgoFdG9wX3AYAyABKAJIAogBARISCgV0b3BfaxgEIAEoBUgDiAEBEhIKBW1pbl9wGAUgASgCSASIAQESHQoQcHJlc2VuY2VfcGVuYWx0eRgGIAEoAkgFiAEBEh4KEWZyZXF1ZW5jeV9wZW5hbHR5GAcgASgCSAaIAQESHwoScmVwZXRpdGlvbl9wZW5hbHR5GAggASgCSAeIAQESOwoKbG9naXRfYmlhcxgJIAMoCzInLmxhZGxlLnYxLlNhbXBsaW5nUGFyYW1zLkxvZ2l0Qmlhc0VudHJ5EhEKBHNlZWQYCiABKARICIgBARISCgptaW5fdG9rZW5zGAsgASgNEgwKBHN0b3AYDCADKAkSFgoOc3RvcF90b2tlbl9pZHMYDSADKA0SEgoKaWdub3JlX2VvcxgOIAEoCBIOCgFuGA8gASgNSAmIAQESEAoIbG9ncHJvYnMYECABKAgSFAoMdG9wX2xvZ3Byb2JzGBEgASgNEiAKE3NraXBfc3BlY2lhbF90b2tlbnMYEiABKAhICogBARIiChppbmNsdWRlX3N0b3Bfc3RyX2luX291dHB1dBgTIAEoCBIcCg9wcm9tcHRfbG9ncHJvYnMYFCABKA1IC4gBARIfChdyZXR1cm5fcHJvbXB0X3Rva2VuX2lkcxgVIAEoCBowCg5Mb2dpdEJpYXNFbnRyeRILCgNrZXkYASABKA0SDQoFdmFsdWUYAiABKAI6AjgBQg0KC19tYXhfdG9rZW5zQg4KDF90ZW1wZXJhdHVyZUIICgZfdG9wX3BCCAoGX3RvcF9rQggKBl9taW5fcEITChFfcHJlc2VuY2VfcGVuYWx0eUIUChJfZnJlcXVlbmN5X3BlbmFsdHlCFQoTX3JlcGV0aXRpb25fcGVuYWx0eUIHCgVfc2VlZEIECgJfbkIWChRfc2tpcF9zcGVjaWFsX3Rva2Vuc0ISChBfcHJvbXB0X2xvZ3Byb2JzIqYBCgpDb25zdHJhaW50EhUKC2pzb25fc2NoZW1hGAEgASgJSAASLQoLanNvbl9vYmplY3QYAiABKAsyFi5nb29nbGUucHJvdG9idWYuRW1wdHlIABIPCgVyZWdleBgDIAEoCUgAEiYKBmNob2ljZRgEIAEoCzIULmxhZGxlLnYxLkNob2ljZUxpc3RIABIRCgdncmFtbWFyGAUgASgJSABCBgoEa2luZCIdCgpDaG9pY2VMaXN0Eg8KB2Nob2ljZXMYASADKAkiOQoLTWF0Y2hlZFN0b3ASDgoEdGV4dBgBIAEoCUgAEhIKCHRva2VuX2lkGAIgASgNSABCBgoEa2luZCKBAgoGQ2hvaWNlEg0KBWluZGV4GAEgASgNEgwKBHRleHQYAiABKAkSEQoJdG9rZW5faWRzGAMgAygNEi0KDWZpbmlzaF9yZWFzb24YBCABKA4yFi5sYWRsZS52MS5GaW5pc2hSZWFzb24SKwoMbWF0Y2hlZF9zdG9wGAUgASgLMhUubGFkbGUudjEuTWF0Y2hlZFN0b3ASKAoIbG9ncHJvYnMYBiADKAsyFi5sYWRsZS52MS5Ub2tlbkxvZ3Byb2ISJgoKdG9vbF9jYWxscxgHIAMoCzISLmxhZGxlLnYxLlRvb2xDYWxsEhkKEXJlYXNvbmluZ19jb250ZW50GAggASgJIosCCgtDaG9pY2VEZWx0YRINCgVpbmRleBgBIAEoDRIMCgR0ZXh0GAIgASgJEhEKCXRva2VuX2lkcxgDIAMoDRIoCghsb2dwcm9icxgEIAMoCzIWLmxhZGxlLnYxLlRva2VuTG9ncHJvYhItCg1maW5pc2hfcmVhc29uGAUgASgOMhYubGFkbGUudjEuRmluaXNoUmVhc29uEisKDG1hdGNoZWRfc3RvcBgGIAEoCzIVLmxhZGxlLnYxLk1hdGNoZWRTdG9wEisKCnRvb2xfY2FsbHMYByADKAsyFy5sYWRsZS52MS5Ub29sQ2FsbERlbHRhEhkKEXJlYXNvbmluZ19jb250ZW50GAggASgJIoABCg5Qcm9tcHRMb2dwcm9icxIWCg5maXJzdF90b2tlbl9pZBgBIAEoDRITCgtmaXJzdF90b2tlbhgCIAEoCRIZChFmaXJzdF90b2tlbl9ieXRlcxgDIAEoDBImCgZ0b2tlbnMYBCADKAsyFi5sYWRsZS52MS5Ub2tlbkxvZ3Byb2IijwEKDFRva2VuTG9ncHJvYhIQCgh0b2tlbl9pZBgBIAEoDRINCgV0b2tlbhgCIAEoCRIPCgdsb2dwcm9iGAMgASgCEhMKC3Rva2VuX2J5dGVzGAQgASgMEioKDHRvcF9sb2dwcm9icxgFIAMoCzIULmxhZGxlLnYxLlRvcExvZ3Byb2ISDAoEcmFuaxgGIAEoDSJTCgpUb3BMb2dwcm9iEhAKCHRva2VuX2lkGAEgASgNEg0KBXRva2VuGAIgASgJEg8KB2xvZ3Byb2IYAyABKAISEwoLdG9rZW5fYnl0ZXMYBCABKAwihwEKBVVzYWdlEhUKDXByb21wdF90b2tlbnMYASABKA0SGQoRY29tcGxldGlvbl90b2tlbnMYAiABKA0SFAoMdG90YWxfdG9rZW5zGAMgASgNEhwKFGNhY2hlZF9wcm9tcHRfdG9rZW5zGAQgASgNEhgKEHJlYXNvbmluZ190b2tlbnMYBSABKA0qhwEKDlRvb2xDaG9pY2VNb2RlEiAKHFRPT0xfQ0hPSUNFX01PREVfVU5TUEVDSUZJRUQQABIZChVUT09MX0NIT0lDRV9NT0RFX05PTkUQARIZChVUT09MX0NIT0lDRV9NT0RFX0FVVE8QAhIdChlUT09MX0NIT0lDRV9NT0RFX1JFUVVJUkVEEAMqUgoIUHJpb3JpdHkSGAoUUFJJT1JJVFlfVU5TUEVDSUZJRUQQABIYChRQUklPUklUWV9JTlRFUkFDVElWRRABEhIKDlBSSU9SSVRZX0JBVENIEAIqlgEKDEZpbmlzaFJlYXNvbhIdChlGSU5JU0hfUkVBU09OX1VOU1BFQ0lGSUVEEAASFgoSRklOSVNIX1JFQVNPTl9TVE9QEAESGAoURklOSVNIX1JFQVNPTl9MRU5HVEgQAhIXChNGSU5JU0hfUkVBU09OX0FCT1JUEAMSHAoYRklOSVNIX1JFQVNPTl9UT09MX0NBTExTEARiBnByb3RvMw", [file_google_protobuf_empty]);
+  fileDesc("ChRsYWRsZS92MS90eXBlcy5wcm90bxIIbGFkbGUudjEibQoFSW5wdXQSDgoEdGV4dBgBIAEoCUgAEiMKBGNoYXQYAiABKAsyEy5sYWRsZS52MS5DaGF0SW5wdXRIABInCgl0b2tlbl9pZHMYAyABKAsyEi5sYWRsZS52MS5Ub2tlbklkc0gAQgYKBGtpbmQiFwoIVG9rZW5JZHMSCwoDaWRzGAEgAygNIt8BCglDaGF0SW5wdXQSJwoIbWVzc2FnZXMYASADKAsyFS5sYWRsZS52MS5DaGF0TWVzc2FnZRIdCgV0b29scxgCIAMoCzIOLmxhZGxlLnYxLlRvb2wSKQoLdG9vbF9jaG9pY2UYAyABKAsyFC5sYWRsZS52MS5Ub29sQ2hvaWNlEiIKFWFkZF9nZW5lcmF0aW9uX3Byb21wdBgEIAEoCEgAiAEBEiEKGWNoYXRfdGVtcGxhdGVfa3dhcmdzX2pzb24YBSABKAlCGAoWX2FkZF9nZW5lcmF0aW9uX3Byb21wdCKmAQoLQ2hhdE1lc3NhZ2USDAoEcm9sZRgBIAEoCRIPCgdjb250ZW50GAIgASgJEiYKCnRvb2xfY2FsbHMYAyADKAsyEi5sYWRsZS52MS5Ub29sQ2FsbBIUCgx0b29sX2NhbGxfaWQYBCABKAkSDAoEbmFtZRgFIAEoCRIsCg1jb250ZW50X3BhcnRzGAYgAygLMhUubGFkbGUudjEuQ29udGVudFBhcnQiRwoLQ29udGVudFBhcnQSDgoEdGV4dBgBIAEoCUgAEiAKBWltYWdlGAIgASgLMg8ubGFkbGUudjEuSW1hZ2VIAEIGCgRwYXJ0IhUKBUltYWdlEgwKBGRhdGEYASABKAwiUgoEVG9vbBIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhcKD3BhcmFtZXRlcnNfanNvbhgDIAEoCRIOCgZzdHJpY3QYBCABKAgiWQoKVG9vbENob2ljZRIoCgRtb2RlGAEgASgOMhgubGFkbGUudjEuVG9vbENob2ljZU1vZGVIABIXCg1mdW5jdGlvbl9uYW1lGAIgASgJSABCCAoGY2hvaWNlIjwKCFRvb2xDYWxsEgoKAmlkGAEgASgJEgwKBG5hbWUYAiABKAkSFgoOYXJndW1lbnRzX2pzb24YAyABKAkiVgoNVG9vbENhbGxEZWx0YRINCgVpbmRleBgBIAEoDRIKCgJpZBgCIAEoCRIMCgRuYW1lGAMgASgJEhwKFGFyZ3VtZW50c19qc29uX2RlbHRhGAQgASgJIqYGCg5TYW1wbGluZ1BhcmFtcxIXCgptYXhfdG9rZW5zGAEgASgNSACIAQESGAoLdGVtcGVyYXR1cmUYAiABKAJIAYgBARISCgV0b3BfcBgDIAEoAkgCiAEBEhIKBXRvcF9rGAQgASgFSAOIAQESEgoFbWluX3AYBSABKAJIBIgBARIdChBwcmVzZW5jZV9wZW5hbHR5GAYgASgCSAWIAQESHgoRZnJlcXVlbmN5X3BlbmFsdHkYByABKAJIBogBARIfChJyZXBldGl0aW9uX3BlbmFsdHkYCCABKAJIB4gBARI7Cgpsb2dpdF9iaWFzGAkgAygLMicubGFkbGUudjEuU2FtcGxpbmdQYXJhbXMuTG9naXRCaWFzRW50cnkSEQoEc2VlZBgKIAEoBEgIiAEBEhIKCm1pbl90b2tlbnMYCyABKA0SDAoEc3RvcBgMIAMoCRIWCg5zdG9wX3Rva2VuX2lkcxgNIAMoDRISCgppZ25vcmVfZW9zGA4gASgIEg4KAW4YDyABKA1ICYgBARIQCghsb2dwcm9icxgQIAEoCBIUCgx0b3BfbG9ncHJvYnMYESABKA0SIAoTc2tpcF9zcGVjaWFsX3Rva2VucxgSIAEoCEgKiAEBEiIKGmluY2x1ZGVfc3RvcF9zdHJfaW5fb3V0cHV0GBMgASgIEhwKD3Byb21wdF9sb2dwcm9icxgUIAEoDUgLiAEBEh8KF3JldHVybl9wcm9tcHRfdG9rZW5faWRzGBUgASgIGjAKDkxvZ2l0Qmlhc0VudHJ5EgsKA2tleRgBIAEoDRINCgV2YWx1ZRgCIAEoAjoCOAFCDQoLX21heF90b2tlbnNCDgoMX3RlbXBlcmF0dXJlQggKBl90b3BfcEIICgZfdG9wX2tCCAoGX21pbl9wQhMKEV9wcmVzZW5jZV9wZW5hbHR5QhQKEl9mcmVxdWVuY3lfcGVuYWx0eUIVChNfcmVwZXRpdGlvbl9wZW5hbHR5QgcKBV9zZWVkQgQKAl9uQhYKFF9za2lwX3NwZWNpYWxfdG9rZW5zQhIKEF9wcm9tcHRfbG9ncHJvYnMipgEKCkNvbnN0cmFpbnQSFQoLanNvbl9zY2hlbWEYASABKAlIABItCgtqc29uX29iamVjdBgCIAEoCzIWLmdvb2dsZS5wcm90b2J1Zi5FbXB0eUgAEg8KBXJlZ2V4GAMgASgJSAASJgoGY2hvaWNlGAQgASgLMhQubGFkbGUudjEuQ2hvaWNlTGlzdEgAEhEKB2dyYW1tYXIYBSABKAlIAEIGCgRraW5kIh0KCkNob2ljZUxpc3QSDwoHY2hvaWNlcxgBIAMoCSI5CgtNYXRjaGVkU3RvcBIOCgR0ZXh0GAEgASgJSAASEgoIdG9rZW5faWQYAiABKA1IAEIGCgRraW5kIoECCgZDaG9pY2USDQoFaW5kZXgYASABKA0SDAoEdGV4dBgCIAEoCRIRCgl0b2tlbl9pZHMYAyADKA0SLQoNZmluaXNoX3JlYXNvbhgEIAEoDjIWLmxhZGxlLnYxLkZpbmlzaFJlYXNvbhIrCgxtYXRjaGVkX3N0b3AYBSABKAsyFS5sYWRsZS52MS5NYXRjaGVkU3RvcBIoCghsb2dwcm9icxgGIAMoCzIWLmxhZGxlLnYxLlRva2VuTG9ncHJvYhImCgp0b29sX2NhbGxzGAcgAygLMhIubGFkbGUudjEuVG9vbENhbGwSGQoRcmVhc29uaW5nX2NvbnRlbnQYCCABKAkiiwIKC0Nob2ljZURlbHRhEg0KBWluZGV4GAEgASgNEgwKBHRleHQYAiABKAkSEQoJdG9rZW5faWRzGAMgAygNEigKCGxvZ3Byb2JzGAQgAygLMhYubGFkbGUudjEuVG9rZW5Mb2dwcm9iEi0KDWZpbmlzaF9yZWFzb24YBSABKA4yFi5sYWRsZS52MS5GaW5pc2hSZWFzb24SKwoMbWF0Y2hlZF9zdG9wGAYgASgLMhUubGFkbGUudjEuTWF0Y2hlZFN0b3ASKwoKdG9vbF9jYWxscxgHIAMoCzIXLmxhZGxlLnYxLlRvb2xDYWxsRGVsdGESGQoRcmVhc29uaW5nX2NvbnRlbnQYCCABKAkigAEKDlByb21wdExvZ3Byb2JzEhYKDmZpcnN0X3Rva2VuX2lkGAEgASgNEhMKC2ZpcnN0X3Rva2VuGAIgASgJEhkKEWZpcnN0X3Rva2VuX2J5dGVzGAMgASgMEiYKBnRva2VucxgEIAMoCzIWLmxhZGxlLnYxLlRva2VuTG9ncHJvYiKPAQoMVG9rZW5Mb2dwcm9iEhAKCHRva2VuX2lkGAEgASgNEg0KBXRva2VuGAIgASgJEg8KB2xvZ3Byb2IYAyABKAISEwoLdG9rZW5fYnl0ZXMYBCABKAwSKgoMdG9wX2xvZ3Byb2JzGAUgAygLMhQubGFkbGUudjEuVG9wTG9ncHJvYhIMCgRyYW5rGAYgASgNIlMKClRvcExvZ3Byb2ISEAoIdG9rZW5faWQYASABKA0SDQoFdG9rZW4YAiABKAkSDwoHbG9ncHJvYhgDIAEoAhITCgt0b2tlbl9ieXRlcxgEIAEoDCKHAQoFVXNhZ2USFQoNcHJvbXB0X3Rva2VucxgBIAEoDRIZChFjb21wbGV0aW9uX3Rva2VucxgCIAEoDRIUCgx0b3RhbF90b2tlbnMYAyABKA0SHAoUY2FjaGVkX3Byb21wdF90b2tlbnMYBCABKA0SGAoQcmVhc29uaW5nX3Rva2VucxgFIAEoDSqHAQoOVG9vbENob2ljZU1vZGUSIAocVE9PTF9DSE9JQ0VfTU9ERV9VTlNQRUNJRklFRBAAEhkKFVRPT0xfQ0hPSUNFX01PREVfTk9ORRABEhkKFVRPT0xfQ0hPSUNFX01PREVfQVVUTxACEh0KGVRPT0xfQ0hPSUNFX01PREVfUkVRVUlSRUQQAypSCghQcmlvcml0eRIYChRQUklPUklUWV9VTlNQRUNJRklFRBAAEhgKFFBSSU9SSVRZX0lOVEVSQUNUSVZFEAESEgoOUFJJT1JJVFlfQkFUQ0gQAiqWAQoMRmluaXNoUmVhc29uEh0KGUZJTklTSF9SRUFTT05fVU5TUEVDSUZJRUQQABIWChJGSU5JU0hfUkVBU09OX1NUT1AQARIYChRGSU5JU0hfUkVBU09OX0xFTkdUSBACEhcKE0ZJTklTSF9SRUFTT05fQUJPUlQQAxIcChhGSU5JU0hfUkVBU09OX1RPT0xfQ0FMTFMQBGIGcHJvdG8z", [file_google_protobuf_empty]);
 
 /**
  * Input is what the model continues: exactly one of text, chat messages or token ids.
@@ -146,7 +146,8 @@ export type ChatMessage = Message<"ladle.v1.ChatMessage"> & {
   role: string;
 
   /**
-   * The text of the turn (multi-part content is joined by the caller).
+   * The text of the turn (multi-part text content is joined by the caller). A turn that holds images sends
+   * `content_parts` instead.
    *
    * @generated from field: string content = 2;
    */
@@ -172,6 +173,14 @@ export type ChatMessage = Message<"ladle.v1.ChatMessage"> & {
    * @generated from field: string name = 5;
    */
   name: string;
+
+  /**
+   * The turn's content as ordered parts, for a turn that holds images (text, an image, more text): set either
+   * this or `content`, not both. A model that reads no images refuses a turn with an image (INVALID_ARGUMENT).
+   *
+   * @generated from field: repeated ladle.v1.ContentPart content_parts = 6;
+   */
+  contentParts: ContentPart[];
 };
 
 /**
@@ -180,6 +189,65 @@ export type ChatMessage = Message<"ladle.v1.ChatMessage"> & {
  */
 export const ChatMessageSchema: GenMessage<ChatMessage> = /*@__PURE__*/
   messageDesc(file_ladle_v1_types, 3);
+
+/**
+ * ContentPart is one piece of a chat turn's content.
+ *
+ * @generated from message ladle.v1.ContentPart
+ */
+export type ContentPart = Message<"ladle.v1.ContentPart"> & {
+  /**
+   * The kind of piece.
+   *
+   * @generated from oneof ladle.v1.ContentPart.part
+   */
+  part: {
+    /**
+     * Text.
+     *
+     * @generated from field: string text = 1;
+     */
+    value: string;
+    case: "text";
+  } | {
+    /**
+     * An image, at its place among the turn's text.
+     *
+     * @generated from field: ladle.v1.Image image = 2;
+     */
+    value: Image;
+    case: "image";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message ladle.v1.ContentPart.
+ * Use `create(ContentPartSchema)` to create a new message.
+ */
+export const ContentPartSchema: GenMessage<ContentPart> = /*@__PURE__*/
+  messageDesc(file_ladle_v1_types, 4);
+
+/**
+ * Image is one image of a chat turn, as its encoded file (the gateway turns an OpenAI `image_url`, a data: URL or
+ * a fetched http(s) one, into these bytes).
+ *
+ * @generated from message ladle.v1.Image
+ */
+export type Image = Message<"ladle.v1.Image"> & {
+  /**
+   * The file's bytes: PNG, JPEG, WebP, GIF or BMP (the first frame of an animation).
+   *
+   * @generated from field: bytes data = 1;
+   */
+  data: Uint8Array;
+};
+
+/**
+ * Describes the message ladle.v1.Image.
+ * Use `create(ImageSchema)` to create a new message.
+ */
+export const ImageSchema: GenMessage<Image> = /*@__PURE__*/
+  messageDesc(file_ladle_v1_types, 5);
 
 /**
  * Tool is a function the model may call.
@@ -221,7 +289,7 @@ export type Tool = Message<"ladle.v1.Tool"> & {
  * Use `create(ToolSchema)` to create a new message.
  */
 export const ToolSchema: GenMessage<Tool> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 4);
+  messageDesc(file_ladle_v1_types, 6);
 
 /**
  * ToolChoice controls tool calling.
@@ -258,7 +326,7 @@ export type ToolChoice = Message<"ladle.v1.ToolChoice"> & {
  * Use `create(ToolChoiceSchema)` to create a new message.
  */
 export const ToolChoiceSchema: GenMessage<ToolChoice> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 5);
+  messageDesc(file_ladle_v1_types, 7);
 
 /**
  * ToolCall is one function call made by the model.
@@ -293,7 +361,7 @@ export type ToolCall = Message<"ladle.v1.ToolCall"> & {
  * Use `create(ToolCallSchema)` to create a new message.
  */
 export const ToolCallSchema: GenMessage<ToolCall> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 6);
+  messageDesc(file_ladle_v1_types, 8);
 
 /**
  * ToolCallDelta is part of a tool call in a stream, as OpenAI streams them.
@@ -335,7 +403,7 @@ export type ToolCallDelta = Message<"ladle.v1.ToolCallDelta"> & {
  * Use `create(ToolCallDeltaSchema)` to create a new message.
  */
 export const ToolCallDeltaSchema: GenMessage<ToolCallDelta> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 7);
+  messageDesc(file_ladle_v1_types, 9);
 
 /**
  * SamplingParams say how tokens are picked. Fields marked optional distinguish "unset" (use the default)
@@ -500,7 +568,7 @@ export type SamplingParams = Message<"ladle.v1.SamplingParams"> & {
  * Use `create(SamplingParamsSchema)` to create a new message.
  */
 export const SamplingParamsSchema: GenMessage<SamplingParams> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 8);
+  messageDesc(file_ladle_v1_types, 10);
 
 /**
  * Constraint restricts the output to a formal language; the engine compiles it with xgrammar.
@@ -561,7 +629,7 @@ export type Constraint = Message<"ladle.v1.Constraint"> & {
  * Use `create(ConstraintSchema)` to create a new message.
  */
 export const ConstraintSchema: GenMessage<Constraint> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 9);
+  messageDesc(file_ladle_v1_types, 11);
 
 /**
  * ChoiceList is a list of allowed outputs.
@@ -582,7 +650,7 @@ export type ChoiceList = Message<"ladle.v1.ChoiceList"> & {
  * Use `create(ChoiceListSchema)` to create a new message.
  */
 export const ChoiceListSchema: GenMessage<ChoiceList> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 10);
+  messageDesc(file_ladle_v1_types, 12);
 
 /**
  * MatchedStop is what ended a choice with FINISH_REASON_STOP.
@@ -619,7 +687,7 @@ export type MatchedStop = Message<"ladle.v1.MatchedStop"> & {
  * Use `create(MatchedStopSchema)` to create a new message.
  */
 export const MatchedStopSchema: GenMessage<MatchedStop> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 11);
+  messageDesc(file_ladle_v1_types, 13);
 
 /**
  * Choice is one finished choice of a generation.
@@ -690,7 +758,7 @@ export type Choice = Message<"ladle.v1.Choice"> & {
  * Use `create(ChoiceSchema)` to create a new message.
  */
 export const ChoiceSchema: GenMessage<Choice> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 12);
+  messageDesc(file_ladle_v1_types, 14);
 
 /**
  * ChoiceDelta is what one choice produced since the previous stream message.
@@ -760,7 +828,7 @@ export type ChoiceDelta = Message<"ladle.v1.ChoiceDelta"> & {
  * Use `create(ChoiceDeltaSchema)` to create a new message.
  */
 export const ChoiceDeltaSchema: GenMessage<ChoiceDelta> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 13);
+  messageDesc(file_ladle_v1_types, 15);
 
 /**
  * PromptLogprobs are a prompt's tokens, each after the first with its log-probability given the tokens before it.
@@ -802,7 +870,7 @@ export type PromptLogprobs = Message<"ladle.v1.PromptLogprobs"> & {
  * Use `create(PromptLogprobsSchema)` to create a new message.
  */
 export const PromptLogprobsSchema: GenMessage<PromptLogprobs> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 14);
+  messageDesc(file_ladle_v1_types, 16);
 
 /**
  * TokenLogprob is the log-probability of one generated token, with the best alternatives.
@@ -859,7 +927,7 @@ export type TokenLogprob = Message<"ladle.v1.TokenLogprob"> & {
  * Use `create(TokenLogprobSchema)` to create a new message.
  */
 export const TokenLogprobSchema: GenMessage<TokenLogprob> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 15);
+  messageDesc(file_ladle_v1_types, 17);
 
 /**
  * TopLogprob is one alternative at a position.
@@ -901,7 +969,7 @@ export type TopLogprob = Message<"ladle.v1.TopLogprob"> & {
  * Use `create(TopLogprobSchema)` to create a new message.
  */
 export const TopLogprobSchema: GenMessage<TopLogprob> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 16);
+  messageDesc(file_ladle_v1_types, 18);
 
 /**
  * Usage counts tokens for a request.
@@ -950,7 +1018,7 @@ export type Usage = Message<"ladle.v1.Usage"> & {
  * Use `create(UsageSchema)` to create a new message.
  */
 export const UsageSchema: GenMessage<Usage> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 17);
+  messageDesc(file_ladle_v1_types, 19);
 
 /**
  * ToolChoiceMode is how freely the model may call tools.
