@@ -99,6 +99,9 @@ class AttentionMetadata:
     # Kolibri-1.1 (`layers.kolibri_attention`): each sequence's pool of keys (`[query_len, seq_len]` bool, None: every
     # key) chosen by the step's latest pool layer, which its later indexed layers choose from; keyed by that layer.
     index_pools: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
+    # Prompts with images (`engine_server.multimodal`): the step's rows that take an image's embeddings instead of
+    # their token's (`[R]` int64) and those embeddings (`[R, hidden]`), set by the runner; None: no such row.
+    image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(

@@ -29,18 +29,37 @@ _O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = (
 
 
 @dataclass(frozen=True)
+class ImageInput:
+    """How a multimodal checkpoint whose images are served reads them (`engine_server.multimodal`): its vision
+    encoder (`encoder`: "llava", a tower's hidden states through LLaVA's projector), the placeholder token its chat
+    template writes once per image (`image_token_id`), expanded to one per patch of the processed image's
+    `patch_size` squares plus `extra_tokens` (the tower's class token, unless the projector drops it: -1 to 1)."""
+
+    encoder: str
+    image_token_id: int
+    patch_size: int
+    extra_tokens: int = 0
+
+    def tokens_per_image(self, height: int, width: int) -> int:
+        """Placeholder tokens of an image processed to `height` x `width` pixels (LLaVA's processor's count)."""
+        return (height // self.patch_size) * (width // self.patch_size) + self.extra_tokens
+
+
+@dataclass(frozen=True)
 class MultimodalCheckpoint:
     """A multimodal checkpoint (`model_type`: Gemma 3's, Qwen2.5-VL's, ...) whose text model alone is served: the
     weight prefixes of what sits beside it (`towers`: vision and audio towers, projectors), not read, and the text
     model's layers a text prompt skips (`dropped_layers`, by checkpoint index: Llama 3.2 Vision's cross-attention
     layers), the others numbered on without them. `hidden_first_banks`: (hidden size, an expert's width) of a
     checkpoint whose expert banks may be stored hidden-first, `gate_up_proj` `[E, H, 2 * I]` and `down_proj`
-    `[E, I, H]` (Qwen3-VL-MoE as released), transposed at load where their shapes say so, as transformers does."""
+    `[E, I, H]` (Qwen3-VL-MoE as released), transposed at load where their shapes say so, as transformers does.
+    `images`: how the checkpoint reads images, for the kinds whose images are served (LLaVA's)."""
 
     model_type: str
     towers: tuple[str, ...]
     dropped_layers: tuple[int, ...] = ()
     hidden_first_banks: tuple[int, int] | None = None
+    images: ImageInput | None = None  # how images are read, where they are served (None: text prompts alone)
 
 
 @dataclass(frozen=True)

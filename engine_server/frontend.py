@@ -16,6 +16,8 @@ from engine_server.core.engine_core import CoreOutput
 from engine_server.core.request import Priority, Request, RequestStatus, RequestTimeline
 from engine_server.errors import ValidationError
 from engine_server.harmony import HarmonyStream
+from engine_server.multimodal.inputs import MultimodalInputs
+from engine_server.multimodal.processing import ImageProcessing, PromptImage
 from engine_server.output import OutputProcessor, TokenTextCodec
 from engine_server.output.types import FinishReason
 from engine_server.reasoning import (
@@ -139,6 +141,7 @@ class PreparedPrompt:
     reasoning: ReasoningStart | None = None  # how the output's reasoning is split off (None: it is not)
     reasoning_tags: ReasoningTags = THINK  # the tags it is written between
     harmony: bool = False  # the output is read as harmony (gpt-oss: `engine_server.harmony`), not by the two above
+    multimodal: MultimodalInputs | None = None  # the prompt's images, their placeholders expanded in `token_ids`
 
 
 @dataclass
@@ -188,10 +191,16 @@ class InputProcessor:
         grammar_compiler: GrammarCompiler | None = None,
         tool_call_parser: str = "auto",
         reasoning_parser: str = "auto",
+        images: ImageProcessing | None = None,
+        images_refusal: str = "this model reads no images; send text alone",
     ) -> None:
         """`tool_call_parser`: EngineConfig.tool_call_parser (the format tool calls are read in, or "auto");
-        `reasoning_parser`: EngineConfig.reasoning_parser (auto: on when the chat template mentions <think>)."""
+        `reasoning_parser`: EngineConfig.reasoning_parser (auto: on when the chat template mentions <think>);
+        `images`: how the model's images are prepared (None: a turn with an image is refused, `images_refusal` the
+        message)."""
         self.tokenizer = tokenizer
+        self.images = images
+        self.images_refusal = images_refusal
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -238,8 +247,13 @@ class InputProcessor:
         of its own is refused (ValidationError, param "tool_choice")."""
         if not isinstance(prompt, ChatPrompt):
             return PreparedPrompt(self.tokenize(prompt), params)
+        images = self._chat_images(prompt)
         text = _unicode(self.render(prompt), "messages")
         ids = self._chat_ids(text)
+        multimodal = None
+        if images:
+            assert self.images is not None  # (`_chat_images` refuses images otherwise)
+            ids, multimodal = self.images.prepare(ids, images)
         choice = prompt.effective_tool_choice
         if self.harmony:
             return self._prepare_harmony(ids, params, prompt, choice)
@@ -264,7 +278,21 @@ class InputProcessor:
             params = dataclasses.replace(params, constraint=after)
         if reasoning is not None and self._reasoning_tags_special:
             params = dataclasses.replace(params, skip_special_tokens=False)
-        return PreparedPrompt(ids, params, parsing, reasoning, tags)
+        return PreparedPrompt(ids, params, parsing, reasoning, tags, multimodal=multimodal)
+
+    def _chat_images(self, prompt: ChatPrompt) -> list[PromptImage]:
+        """The conversation's images in order; ValidationError where the model reads none or one is outside a user
+        turn (as OpenAI's API reads them)."""
+        images = []
+        for i, message in enumerate(prompt.messages):
+            for j, image in message.images:
+                param = f"messages[{i}].content[{j}]"
+                if self.images is None:
+                    raise ValidationError(self.images_refusal, param)
+                if message.role != "user":
+                    raise ValidationError(f"images are read in user turns only, not in a {message.role!r} turn", param)
+                images.append(PromptImage(image.data, param))
+        return images
 
     def _prepare_harmony(
         self, ids: list[int], params: SamplingParams, prompt: ChatPrompt, choice: ToolChoice
@@ -292,7 +320,12 @@ class InputProcessor:
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt. Chat is rendered with the model's template (which adds its own specials)."""
         if isinstance(prompt, ChatPrompt):
-            return self._chat_ids(_unicode(self.render(prompt), "messages"))
+            images = self._chat_images(prompt)
+            ids = self._chat_ids(_unicode(self.render(prompt), "messages"))
+            if images:
+                assert self.images is not None
+                ids = self.images.prepare(ids, images)[0]
+            return ids
         if isinstance(prompt, str):
             if not prompt:
                 raise ValidationError("prompt must not be empty", "prompt")
@@ -311,13 +344,14 @@ class InputProcessor:
         grammar: CompiledConstraint | None = None,
         cache_salt: str = "",
         lora: LoraAdapter | None = None,
+        multimodal: MultimodalInputs | None = None,
     ) -> list[Request]:
         """Validate and expand into n core requests with ids `{request_id}/{i}`; raises ValidationError.
 
         `grammar` is `compile_constraint(params)`'s result; when params carry a constraint and it is None,
         the constraint is compiled here, blocking (ValidationError if it does not compile in time).
         `cache_salt`: the requests' prefix-cache namespace (`Request`); `lora`: their LoRA adapter (None: the
-        base model).
+        base model); `multimodal`: the prompt's images (`PreparedPrompt.multimodal`).
         """
         params.validate(vocab_size=self.vocab_size, max_model_len=self.max_model_len, prompt_len=len(prompt_token_ids))
         if params.constraint is not None and grammar is None:
@@ -340,6 +374,7 @@ class InputProcessor:
                     grammar=grammar if params.constraint is not None else None,
                     cache_salt=cache_salt,
                     lora=lora,
+                    multimodal=multimodal,
                 )
             )
         return requests

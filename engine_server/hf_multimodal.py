@@ -8,8 +8,9 @@ adapters), and the thinkers of Qwen2.5-Omni and Qwen3-Omni (their speech talkers
 Their `config.json` is read as transformers reads it (its composite config class: a released config states only what
 differs from the class's defaults, and early ones are flat, the text model's keys at the top level), and the text
 model's config (`text_config`) is read as the family's own, under the embedding tie of the composite model (the one
-transformers ties the LM head by). The towers and projectors beside the text model are not read; images and audio are
-not served (the gateway refuses such content by name).
+transformers ties the LM head by). The towers and projectors beside the text model are read only where images are
+served: LLaVA's (`engine_server.multimodal`, `MultimodalCheckpoint.images`); the other kinds serve text prompts, and a
+turn with an image is refused by name.
 
 A text prompt takes the text model alone in each of these: the M-RoPE of the Qwen-VL and GLM-V families turns a text
 token's three position components, all its one position, as plain rope does; Llama 3.2 Vision skips its
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_server.config import MultimodalCheckpoint
+from engine_server.config import ImageInput, MultimodalCheckpoint
 
 # A multimodal checkpoint's names for its text model's families, and the family the engine reads each as.
 _TEXT_FAMILIES = {
@@ -49,6 +50,8 @@ MULTIMODAL_ARCHITECTURES = frozenset({
     "video_llava", "vipllava", "qwen2_5_omni", "qwen2_5_omni_thinker", "qwen3_omni_moe", "qwen3_omni_moe_thinker",
     "phi4_multimodal",
 })  # fmt: skip
+# The vision towers LLaVA's images are served over, and the class tokens each puts before its patches' rows.
+_CLASS_TOKENS = {"clip_vision_model": 1, "siglip_vision_model": 0}
 # Multimodal model types people ask for whose text model alone is not what they are (the refusal says why).
 MULTIMODAL_NOT_SERVED = {
     "paligemma": "PaliGemma attends both ways over its whole prompt (a prefix LM), which this engine does not serve",
@@ -89,4 +92,17 @@ def multimodal_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], Multimo
         dropped = tuple(sorted(int(i) for i in text.get("cross_attention_layers") or ()))
         text = {**text, "num_hidden_layers": int(text["num_hidden_layers"]) - len(dropped),
                 "vocab_size": int(text["vocab_size"]) + 8, "output_vocab_size": int(text["vocab_size"])}  # fmt: skip
-    return text, MultimodalCheckpoint(model_type, _TOWERS, dropped, banks)
+    return text, MultimodalCheckpoint(model_type, _TOWERS, dropped, banks, _image_input(composite))
+
+
+def _image_input(composite: Any) -> ImageInput | None:
+    """How a checkpoint whose images are served reads them: LLaVA's (`llava`) over a CLIP or SigLIP tower, whose
+    class token (CLIP's) the "default" feature strategy drops. None for every other kind (text prompts alone)."""
+    if composite.model_type != "llava":
+        return None
+    vision = composite.vision_config
+    class_tokens = _CLASS_TOKENS.get(vision.model_type)
+    if class_tokens is None:
+        return None
+    dropped = 1 if composite.vision_feature_select_strategy == "default" else 0
+    return ImageInput("llava", int(composite.image_token_id), int(vision.patch_size), class_tokens - dropped)

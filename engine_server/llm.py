@@ -33,6 +33,7 @@ from engine_server.host_memory import freeze_startup_heap
 from engine_server.loader import ModelSource, resolve_model
 from engine_server.lora.peft_format import LoraAdapter
 from engine_server.lora.registry import AdapterRegistry, ServedAdapter
+from engine_server.multimodal.processing import served_images
 from engine_server.output import TokenTextCodec
 from engine_server.pooling.params import ModelPooling
 from engine_server.pooling.requests import cosine_scores, pair_token_ids, pooling_requests, pooling_token_ids
@@ -102,6 +103,7 @@ class LLM:
                 self.tokenizer, source.config.vocab_size, self.eos_token_ids, grammar_config
             )
         )
+        images, refusal = served_images(source.config.multimodal, source.path, self.config.tensor_parallel_size)
         self.inputs = InputProcessor(
             self.tokenizer,
             source.config.vocab_size,
@@ -110,6 +112,8 @@ class LLM:
             grammar_compiler=self.grammar_compiler,
             tool_call_parser=self.core.config.tool_call_parser,
             reasoning_parser=self.core.config.reasoning_parser,
+            images=images,
+            images_refusal=refusal,
         )
         self.token_text = TokenTextCodec(self.tokenizer)
         self.pooling = ModelPooling.for_model(
@@ -174,8 +178,9 @@ class LLM:
         for item, grammar, lora in zip(prepared, compiles, loras, strict=True):
             request_id = f"offline-{next(self._ids)}"
             requests = self.inputs.make_requests(
-                request_id, item.token_ids, item.params, grammar=grammar.result(), lora=lora
-            )
+                request_id, item.token_ids, item.params, grammar=grammar.result(), lora=lora,
+                multimodal=item.multimodal,
+            )  # fmt: skip
             tracker = RequestTracker(
                 self.tokenizer, request_id, item.token_ids, item.params, self.token_text, item.tool_parsing,
                 item.reasoning, item.harmony, item.reasoning_tags,

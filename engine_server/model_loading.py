@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 
 import structlog
 import torch
+from torch import nn
 
 from engine_server.attention_metadata import recurrent_state_bytes
 from engine_server.config import EngineConfig, ModelConfig
@@ -54,6 +55,7 @@ from engine_server.models import (
     get_model_class,
     kv_cache_bytes_per_block,
 )
+from engine_server.multimodal.processing import images_refusal
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.quantization import (
     Scheme,
@@ -99,6 +101,9 @@ class LoadedModel:
     # model without such layers; after them `state_snapshots` rows of prefixes' states (`core.state_snapshots`).
     state_slots: int = 0
     state_snapshots: int = 0
+    # The vision encoder of a model whose images are served (`engine_server.multimodal`): pixel values to the text
+    # model's embeddings; None for every other (and under tensor parallelism, where images are not served yet).
+    vision: nn.Module | None = None
 
     @property
     def scratch_block(self) -> int:
@@ -298,7 +303,7 @@ def load_model(
         max_graph_batch=min(config.scheduler.max_num_seqs, config.max_cuda_graph_batch), tp=tp,
         state_slots=state_slots, state_snapshots=snapshots,
     )  # fmt: skip
-    loaded = replace(loaded, draft=_load_draft(config, loaded))
+    loaded = replace(loaded, draft=_load_draft(config, loaded), vision=_load_vision(source, device, dtype, tp))
     if config.lora is not None:
         slots = LoraSlots(source.config, config.lora.max_loras, config.lora.max_lora_rank, dtype, device)
         in_stack = isinstance(model, CausalLM) and register_lora(model.model, slots)  # steps with adapters run in it
@@ -310,6 +315,16 @@ def load_model(
     if _captures_decode_graphs(loaded, config):
         loaded = replace(loaded, decode_graphs=capture_decode_graphs(loaded, CudaGraphCapture()))
     return loaded
+
+
+def _load_vision(source: ModelSource, device: torch.device, dtype: torch.dtype, tp: TensorParallel) -> nn.Module | None:
+    """The vision encoder of a checkpoint whose images are served (`multimodal.processing.images_refusal`: on one
+    engine, not under tensor parallelism, with its image processor); None otherwise."""
+    if images_refusal(source.config.multimodal, source.path, tp.size):
+        return None
+    from engine_server.multimodal.llava import LlavaImageEncoder  # (transformers' modules: only for these models)
+
+    return LlavaImageEncoder.from_checkpoint(source.path, source.lazy_weights(), dtype, device)
 
 
 def _pair_separator(source: ModelSource) -> int | None:

@@ -30,6 +30,7 @@ from engine_server.decode_rows import DecodeRows
 from engine_server.lora.slots import LoraBatch
 from engine_server.model_loading import LoadedModel, capture_decode_graphs
 from engine_server.models import BertEncoder
+from engine_server.multimodal.features import ImageFeatures
 from engine_server.parallel.step_channel import PendingTokens, StepSender
 from engine_server.pooling.pooler import Pooler
 from engine_server.sampling import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenLogprobs
@@ -235,6 +236,10 @@ class ModelRunner:
         self.draft = loaded.draft  # speculative decoding's draft model, when configured
         self.decode_graphs = loaded.decode_graphs
         self.lora_slots = loaded.lora_slots  # the LoRA adapters' slot weights (None: the engine serves no adapter)
+        # The running requests' images as the text model's embeddings (None: the model reads no images).
+        self.image_features = (
+            None if loaded.vision is None else ImageFeatures(loaded.vision, loaded.device, loaded.dtype)
+        )
         # A step runs within `launch` here, so another thread can stop it (engine_server.step_interrupt); not under
         # tensor parallelism, where every rank would have to stop at the same layer.
         # Linear attention's states (`layers.gated_deltanet`): one row per running request (`Request.state_slot`);
@@ -266,6 +271,8 @@ class ModelRunner:
         request."""
         self.grammars.release(request_id)
         self.pooler.release(request_id)
+        if self.image_features is not None:
+            self.image_features.release(request_id)
 
     @torch.inference_mode()
     def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -509,7 +516,7 @@ class ModelRunner:
             layout, continues = self._decode_rows.layout_columns(steady.requests, steady.tables, steady.starts)
         else:
             scheduled = output.scheduled
-            if any(item.num_new_tokens != 1 for item in scheduled):
+            if any(item.num_new_tokens != 1 for item in scheduled) or self._reaches_images(scheduled):
                 self._decode_rows.invalidate()
                 # Whether the step reads each sequence's last token alone (`AttentionMetadata.last_rows_only`).
                 last_only = not (output.reads_prompts or output.has_pooling or output.num_draft_tokens)
@@ -580,6 +587,10 @@ class ModelRunner:
             query_lens, seq_lens, [item.block_ids for item in scheduled], self.block_size, self.device
         )
         meta.last_rows_only = last_rows_only and self.draft is None
+        if self.image_features is not None:
+            meta.image_embeds = self.image_features.step_rows(
+                [(item.request, item.start_position, item.num_new_tokens) for item in scheduled]
+            )
         if self.state_slots:
             self._set_state_slots(meta, [item.request for item in scheduled], state_copies)
         host_ids, host_positions = (
@@ -601,6 +612,14 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.follow(input_ids, position_ids, meta, hidden)
         return hidden, last_rows
+
+    def _reaches_images(self, scheduled: list[ScheduledRequest]) -> bool:
+        """Whether a step of one-token rows computes a prompt token of a request with images (a prefill's last
+        token alone, or a chunk the token budget cut to one), which takes the eager path and its image rows."""
+        return self.image_features is not None and any(
+            item.request.multimodal is not None and item.start_position < item.request.num_prompt_tokens
+            for item in scheduled
+        )
 
     def _run_model(
         self,

@@ -44,6 +44,7 @@ from engine_server.core.request import Request
 _ROOT_HASH = b""  # the root of an unsalted chain
 _SALT_DOMAIN = b"ladle.v1 cache_salt\0"  # keeps a salted root apart from any block's hash input
 _ADAPTER_DOMAIN = b"ladle.v1 cache_salt+adapter\0"  # and an adapter's root apart from a salt's
+_IMAGES_DOMAIN = b"ladle.v1 images root\0"  # and a root with images apart from both
 
 
 def root_hash(cache_salt: str, adapter_key: str = "") -> bytes:
@@ -60,8 +61,13 @@ def root_hash(cache_salt: str, adapter_key: str = "") -> bytes:
 
 
 def request_root(request: Request) -> bytes:
-    """`root_hash` of a request's salt and adapter."""
-    return root_hash(request.cache_salt, "" if request.lora is None else request.lora.key)
+    """`root_hash` of a request's salt and adapter; for a prompt with images, a sha256 of that and of its images'
+    digest (`MultimodalInputs.digest`): the images' placeholder ids are equal whatever the images, so a chain starts
+    apart for other images (blocks before the first image too: they are shared only with the same images)."""
+    root = root_hash(request.cache_salt, "" if request.lora is None else request.lora.key)
+    if request.multimodal is None:
+        return root
+    return hashlib.sha256(_IMAGES_DOMAIN + root + request.multimodal.digest).digest()
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:

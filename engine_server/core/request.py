@@ -19,6 +19,7 @@ from engine_server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine_server.lora.peft_format import LoraAdapter
+    from engine_server.multimodal.inputs import MultimodalInputs
     from engine_server.sampling.sampler import TokenLogprobs
     from engine_server.structured.compiler import CompiledConstraint
 
@@ -95,6 +96,7 @@ class Request:
         "lora",
         "lora_slot",
         "max_tokens",
+        "multimodal",
         "needs_output_history",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -135,6 +137,7 @@ class Request:
         pooling: PoolingParams | None = None,
         cache_salt: str = "",
         lora: LoraAdapter | None = None,
+        multimodal: MultimodalInputs | None = None,
     ) -> None:
         """`arrival_time` and `deadline` are `time.monotonic()` values; arrival defaults to now.
 
@@ -149,6 +152,8 @@ class Request:
         engine_server.core.kv_cache_manager), so it shares cached blocks only with requests of the same salt.
         `lora`: the LoRA adapter it generates with (None: the base model); its key seeds the chain too, so
         requests of different adapters (or of none) never share cached blocks.
+        `multimodal`: the prompt's images (their placeholder runs in `prompt_token_ids`); their digest seeds the
+        chain too, so a prompt shares cached blocks only with prompts of the same images.
         """
         constraint = grammar.constraint if grammar is not None else None
         if constraint != sampling_params.constraint:
@@ -166,6 +171,7 @@ class Request:
         self.pooling = pooling
         self.cache_salt = cache_salt
         self.lora = lora
+        self.multimodal = multimodal
         self.lora_slot = -1  # the adapter's slot while the request runs (the scheduler's AdapterSlots), else -1
         self.state_slot = -1  # its linear-attention state's slot while it runs (the scheduler's StateSlots), else -1
         # Where its states are also saved, beside its prompt's last block boundary: the end of the cached prefix it

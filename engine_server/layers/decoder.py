@@ -531,6 +531,9 @@ class DecoderModel(nn.Module):
         before wrote their K/V; engine_server.step_interrupt). `lora`: the step's LoRA adapters (run in the
         decode stack when it holds their slots, `decode_stack_lora`; else the step runs the layers)."""
         hidden = self.embed(input_ids, positions, ops)
+        if meta.image_embeds is not None:  # images' rows: the encoder's embeddings, as they are (never scaled)
+            rows, embeds = meta.image_embeds
+            hidden = hidden.index_copy(0, rows, embeds.to(hidden.dtype))
         stack = self.decode_stack
         if stack is not None and (lora is None or lora.weights is self.decode_stack_lora):
             # Prompt tokens go in as decode rows of their own (`token_rows`), as the layers' attention takes them.

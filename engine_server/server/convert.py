@@ -41,7 +41,7 @@ from engine_server.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPR
 from engine_server.server.engine_loop import EngineInternalError, LoadSnapshot
 from engine_server.server.serving import GenerationInput, ModelInfo, RequestDeadlineError, TokenizeResult
 from engine_server.structured import Constraint
-from engine_server.tokenizer.chat import ChatMessage, ChatTool, ChatToolCall
+from engine_server.tokenizer.chat import ChatImage, ChatMessage, ChatTool, ChatToolCall
 from engine_server.tools import ToolCall, ToolCallDelta, ToolChoice, ToolChoiceMode
 from ladle.v1 import engine_pb2, types_pb2
 
@@ -159,14 +159,32 @@ def chat_prompt(chat: types_pb2.ChatInput) -> ChatPrompt:
                 tool_calls=tuple(ChatToolCall(c.id, c.name, c.arguments_json) for c in m.tool_calls),
                 tool_call_id=m.tool_call_id,
                 name=m.name,
+                content_parts=_content_parts(m, index),
             )
-            for m in chat.messages
+            for index, m in enumerate(chat.messages)
         ],
         tools=tools,
         add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
         template_kwargs=kwargs,
         tool_choice=choice,
     )
+
+
+def _content_parts(message: types_pb2.ChatMessage, index: int) -> tuple[str | ChatImage, ...]:
+    """A turn's `content_parts` in the engine's vocabulary; a turn that sets `content` too, or a part that sets
+    neither kind, is refused (param `messages[i].content`)."""
+    if not message.content_parts:
+        return ()
+    param = f"messages[{index}].content"
+    if message.content:
+        raise ValidationError("set a message's content or its content_parts, not both", param)
+    parts: list[str | ChatImage] = []
+    for j, part in enumerate(message.content_parts):
+        kind = part.WhichOneof("part")
+        if kind is None:
+            raise ValidationError("a content part must hold text or an image", f"{param}[{j}]")
+        parts.append(part.text if kind == "text" else ChatImage(part.image.data))
+    return tuple(parts)
 
 
 def tool_choice(message: types_pb2.ToolChoice) -> ToolChoice | None:

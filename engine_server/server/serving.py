@@ -46,6 +46,7 @@ from engine_server.llm import engine_eos_ids, engine_generation_defaults
 from engine_server.loader import resolve_model
 from engine_server.lora.peft_format import LoraAdapter
 from engine_server.lora.registry import AdapterRegistry, ServedAdapter
+from engine_server.multimodal.processing import ImageProcessing, served_images
 from engine_server.output import TokenTextCodec
 from engine_server.pooling.params import ModelPooling, PoolingParams
 from engine_server.pooling.requests import (
@@ -135,6 +136,7 @@ class ServingEngine:
         *,
         generation_defaults: GenerationDefaults,
         pooling: ModelPooling | None = None,
+        images: tuple[ImageProcessing | None, str] = (None, ""),
     ) -> None:
         """Takes over `core`: from now on only the EngineLoop's thread touches it. `generation_defaults` fill the
         sampling fields a request leaves unset; GetModelInfo reports them. `pooling`: the model's (default: its
@@ -149,6 +151,7 @@ class ServingEngine:
         self.inputs = InputProcessor(
             tokenizer, core.model_config.vocab_size, core.max_model_len, eos, grammar_compiler=self.grammar_compiler,
             tool_call_parser=core.config.tool_call_parser, reasoning_parser=core.config.reasoning_parser,
+            images=images[0], images_refusal=images[1] or "this model reads no images; send text alone",
         )  # fmt: skip
         self.token_text = TokenTextCodec(tokenizer)
         self.info = ModelInfo(
@@ -235,9 +238,11 @@ class ServingEngine:
         pooling = ModelPooling.for_model(
             source.path, source.config.hidden_size, source.config.encoder, source.config.num_labels == 1
         )
+        images = served_images(source.config.multimodal, source.path, config.tensor_parallel_size)
         return cls(
-            core, tokenizer, source.name, eos, loop, grammar_config, generation_defaults=defaults, pooling=pooling
-        )
+            core, tokenizer, source.name, eos, loop, grammar_config, generation_defaults=defaults, pooling=pooling,
+            images=images,
+        )  # fmt: skip
 
     async def load_adapter(self, name: str, path: str) -> ServedAdapter:
         """Serve the PEFT adapter in folder `path` (on this host) as `name`; read on a worker thread
@@ -325,7 +330,7 @@ class ServingEngine:
         internal_id = f"r{next(self._ids)}"
         core_requests = self.inputs.make_requests(
             internal_id, prompt_ids, params, request.priority, deadline, grammar=grammar, cache_salt=request.cache_salt,
-            lora=lora,
+            lora=lora, multimodal=prepared.multimodal,
         )  # fmt: skip
         tracker = RequestTracker(
             self.tokenizer, request.request_id, prompt_ids, params, self.token_text, prepared.tool_parsing,

@@ -1,0 +1,74 @@
+"""A request's images: where their placeholder tokens sit in its prompt, what the encoder reads, and which of their
+embedding rows a prefill chunk takes.
+
+Each image's tokens are one run of `length` placeholder ids from prompt position `offset`; the vision encoder turns
+its `pixel_values` into exactly `length` rows of the text model's embeddings, which replace the placeholders'
+embeddings (the model never reads the placeholder id's own row). A chunk of the prompt may start or end inside a run
+(chunked prefill, a prefix-cache hit): it takes the rows of its own positions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+_DIGEST_DOMAIN = b"ladle.v1 images\0"  # keeps the images' digest apart from any other hash input
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """One image of a prompt: its placeholder run `[offset, offset + length)`, the processor's `pixel_values`
+    (`[3, H, W]`, float32) and the sha256 of its file's bytes (`digest`)."""
+
+    offset: int
+    length: int
+    pixel_values: torch.Tensor
+    digest: bytes
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class ChunkImageRows:
+    """The embedding rows one prefill chunk takes from one image: rows `[first, first + count)` of the image's
+    encoder output go to the chunk's rows `[chunk_row, chunk_row + count)`."""
+
+    image: int  # index into `MultimodalInputs.images`
+    first: int
+    count: int
+    chunk_row: int
+
+
+@dataclass(frozen=True)
+class MultimodalInputs:
+    """A prompt's images in prompt order (their runs disjoint and ascending). Immutable: every choice of an `n > 1`
+    request shares it."""
+
+    images: tuple[ImageSpan, ...]
+
+    @cached_property
+    def digest(self) -> bytes:
+        """One hash of every image's bytes in order: two prompts whose equal placeholder ids stand for other images
+        differ here (the prefix cache's chain starts from it: `core.kv_cache_manager.root_hash`)."""
+        joined = b"".join(len(image.digest).to_bytes(2, "little") + image.digest for image in self.images)
+        return hashlib.sha256(_DIGEST_DOMAIN + joined).digest()
+
+    def chunk_rows(self, start: int, count: int) -> list[ChunkImageRows]:
+        """The image rows that the prompt positions `[start, start + count)` take, in position order."""
+        end = start + count
+        rows = []
+        for index, image in enumerate(self.images):
+            first, last = max(start, image.offset), min(end, image.end)
+            if first < last:
+                rows.append(ChunkImageRows(index, first - image.offset, last - first, first - start))
+        return rows
+
+
+def image_digest(data: bytes) -> bytes:
+    """sha256 of an image file's bytes."""
+    return hashlib.sha256(data).digest()

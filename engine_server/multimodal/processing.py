@@ -1,0 +1,124 @@
+"""A chat's images prepared as the model's own processor prepares them, and their placeholders laid into its prompt.
+
+`ImageProcessing.prepare` takes the prompt's token ids, in which the chat template wrote the image token once per image
+(LLaVA's `<image>`), and the images' encoded files in the same order: each file is decoded (Pillow, at most
+`max_image_pixels`), turned into pixel values by the checkpoint's image processor (`preprocessor_config.json`, read by
+transformers' PIL backend, as transformers' own processor would), and its one placeholder becomes one per patch
+(`ImageInput.tokens_per_image`). Runs in the frontend, off the step loop.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine_server.config import ImageInput, MultimodalCheckpoint
+from engine_server.errors import ValidationError
+from engine_server.multimodal.inputs import ImageSpan, MultimodalInputs, image_digest
+
+# Pixels one image may decode to (its width times height): a 40-megapixel photo fits; a few kilobytes of PNG that
+# claim a billion pixels (a decompression bomb) do not, and are refused before they are decoded.
+DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
+_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+_PROCESSOR_CONFIG = "preprocessor_config.json"
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """One image of a chat: its encoded file and the request field it came in (for errors)."""
+
+    data: bytes
+    param: str
+
+
+class ImageProcessing:
+    """The images of a model whose images are served (`ModelConfig.multimodal.images`). Thread-safe: it holds no
+    state but the processor's configuration."""
+
+    def __init__(self, spec: ImageInput, processor: Any, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+        self.spec = spec
+        self.processor = processor
+        self.max_image_pixels = max_image_pixels
+
+    @classmethod
+    def for_model(cls, spec: ImageInput, folder: Path) -> ImageProcessing:
+        """The images of the checkpoint in `folder` (its `preprocessor_config.json`, which must be there)."""
+        from transformers import AutoImageProcessor  # (only for these models)
+
+        return cls(spec, AutoImageProcessor.from_pretrained(str(folder), backend="pil"))
+
+    def prepare(self, token_ids: Sequence[int], images: Sequence[PromptImage]) -> tuple[list[int], MultimodalInputs]:
+        """`token_ids` with each image's placeholder expanded to its tokens, and the images as the encoder takes them.
+        ValidationError for a file that is no image, one too large, or a prompt whose placeholders do not match the
+        images one for one (a turn's text that spells the placeholder itself)."""
+        image_token = self.spec.image_token_id
+        places = [i for i, token in enumerate(token_ids) if token == image_token]
+        if len(places) != len(images):
+            raise ValidationError(
+                f"the prompt holds {len(places)} image placeholders for {len(images)} images: a message's text may "
+                "not spell the model's image token itself", "messages",
+            )  # fmt: skip
+        out: list[int] = []
+        spans = []
+        done = 0
+        for place, image in zip(places, images, strict=True):
+            pixels = self._pixel_values(image)
+            length = self.spec.tokens_per_image(int(pixels.shape[-2]), int(pixels.shape[-1]))
+            out.extend(token_ids[done:place])
+            spans.append(ImageSpan(len(out), length, pixels, image_digest(image.data)))
+            out.extend([image_token] * length)
+            done = place + 1
+        out.extend(token_ids[done:])
+        return out, MultimodalInputs(tuple(spans))
+
+    def _pixel_values(self, image: PromptImage) -> Any:
+        """The processor's pixel values `[3, H, W]` of one image file (its first frame)."""
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(io.BytesIO(image.data), formats=_FORMATS) as opened:
+                width, height = opened.size
+                if width * height > self.max_image_pixels:
+                    raise ValidationError(
+                        f"the image is {width}x{height} pixels; at most {self.max_image_pixels} pixels are read",
+                        image.param,
+                    )
+                with warnings.catch_warnings():  # (Pillow's bomb warning: the size was checked above)
+                    warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                    rgb = opened.convert("RGB")
+        except ValidationError:
+            raise
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as error:
+            raise ValidationError(
+                f"the image cannot be read ({error}); send a PNG, JPEG, WebP, GIF or BMP file", image.param
+            ) from None
+        return self.processor(images=[rgb], return_tensors="pt")["pixel_values"][0]
+
+
+def served_images(
+    multimodal: MultimodalCheckpoint | None, folder: Path, tensor_parallel_size: int = 1
+) -> tuple[ImageProcessing | None, str]:
+    """How the model in `folder` (its `ModelConfig.multimodal`) reads images on an engine of `tensor_parallel_size`
+    ranks, and the refusal of a turn with an image where it reads none (`images_refusal`)."""
+    refusal = images_refusal(multimodal, folder, tensor_parallel_size)
+    if refusal or multimodal is None or multimodal.images is None:
+        return None, refusal
+    return ImageProcessing.for_model(multimodal.images, folder), ""
+
+
+def images_refusal(multimodal: MultimodalCheckpoint | None, folder: Path, tensor_parallel_size: int = 1) -> str:
+    """Why the model in `folder` reads no images on an engine of `tensor_parallel_size` ranks; "" where it reads them
+    (then its vision encoder loads: `engine_server.model_loading`)."""
+    if multimodal is None:
+        return "this model reads no images; send text alone"
+    if multimodal.images is None:
+        return f"images are not served for {multimodal.model_type} checkpoints yet (their text model is); send text"
+    if tensor_parallel_size > 1:
+        return "images are not served under tensor parallelism yet; send text alone, or serve on one rank"
+    if not (folder / _PROCESSOR_CONFIG).is_file():
+        return f"this checkpoint has no image processor ({_PROCESSOR_CONFIG}) to read images with; send text alone"
+    return ""

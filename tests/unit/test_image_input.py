@@ -1,0 +1,215 @@
+"""Images as input (`engine_server.multimodal`): a tiny LLaVA checkpoint saved by transformers (a CLIP tower, its
+projector, a random Llama text model; its tokenizer's `<image>` token, a parts-only chat template, CLIP's image
+processor) served on the float path. The oracle is transformers itself: its `LlavaProcessor` lays out the same prompt
+ids (each image's placeholder expanded to its patches' tokens), and `LlavaForConditionalGeneration` gives the same
+greedy tokens, for one image, two, batched, prefilled in chunks that cut through an image's tokens, and served again
+from the prefix cache; a prompt with other images behind the same placeholder ids never reads the first's cached
+blocks. What the engine cannot read is refused by name."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from engine_server.errors import ValidationError
+from engine_server.frontend import ChatPrompt
+from engine_server.llm import LLM
+from engine_server.sampling_params import SamplingParams
+from engine_server.tokenizer.chat import ChatImage, ChatMessage
+from tests.families import _SHAPE
+from tests.unit.pooling.embedding_models import copy_tokenizer
+from tests.unit.test_family_engines import engine
+from tests.unit.test_frontend import PARTS_BY_LOOP
+
+pytestmark = pytest.mark.slow  # engines and transformers' models of their own
+
+NEW_TOKENS = 12
+IMAGE_SIZE = 56  # 4 x 4 patches of 14 pixels: 16 tokens an image (CLIP's class token dropped)
+IMAGE_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+_CLIP = {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 2, "image_size": IMAGE_SIZE, "patch_size": 14, "projection_dim": 32}  # fmt: skip
+
+
+def png(seed: int, size: tuple[int, int] = (80, 64)) -> bytes:
+    """A random RGB picture of `size` (width, height) as a PNG file."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def save_llava(folder: Path) -> Any:
+    """A tiny LLaVA checkpoint that reads images, saved in `folder` as transformers saves it; returns the model."""
+    import transformers
+    from transformers import AutoTokenizer, CLIPImageProcessor
+
+    copy_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    tokenizer.chat_template = PARTS_BY_LOOP
+    tokenizer.save_pretrained(folder)
+    text = {**_SHAPE, "model_type": "llama", "vocab_size": image_token + 8}
+    config = transformers.LlavaConfig(text_config=text, vision_config=_CLIP, image_token_id=image_token)
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # the text model drawn as the family tests draw theirs; the tower and projector wider
+        for name, parameter in model.named_parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.08 if "language_model" in name or "lm_head" in name else 0.3)
+    model.save_pretrained(folder)
+    size = {"shortest_edge": IMAGE_SIZE}
+    CLIPImageProcessor(size=size, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    folder = tmp_path_factory.mktemp("llava-images")
+    return folder, save_llava(folder)
+
+
+@pytest.fixture(scope="module")
+def served(llava: tuple[Path, Any]) -> Iterator[LLM]:
+    with engine(llava[0]) as llm:
+        yield llm
+
+
+def user(*parts: str | bytes) -> ChatPrompt:
+    """One user turn of text and images (a `bytes` part is an image file)."""
+    content = tuple(ChatImage(part) if isinstance(part, bytes) else part for part in parts)
+    return ChatPrompt([ChatMessage("user", content_parts=content)])
+
+
+def processor_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor]:
+    """transformers' `LlavaProcessor` inputs for `prompt`: its template's text and its images."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer, LlavaProcessor
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    images = [Image.open(io.BytesIO(part.data)).convert("RGB") for m in prompt.messages for _, part in m.images]
+    processor = LlavaProcessor(
+        AutoImageProcessor.from_pretrained(folder, backend="pil"), tokenizer, patch_size=14,
+        num_additional_image_tokens=1, vision_feature_select_strategy="default", chat_template=PARTS_BY_LOOP,
+    )  # fmt: skip
+    conversation = [
+        {"role": m.role, "content": [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"}
+                                     for p in m.content_parts]}
+        for m in prompt.messages
+    ]  # fmt: skip
+    text = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    inputs: dict[str, torch.Tensor] = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
+    return inputs
+
+
+def transformers_greedy(model: Any, inputs: dict[str, torch.Tensor]) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    return [int(t) for t in out[0, inputs["input_ids"].shape[1] :]]
+
+
+PROMPTS = {
+    "one image": lambda: user("What is in this picture?", png(1)),
+    "image first": lambda: user(png(2), "Describe it."),
+    "two images": lambda: user("Compare", png(3), "with", png(4, (40, 90)), "please."),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PROMPTS))
+def test_an_image_prompt_is_laid_out_and_answered_as_transformers_does(
+    case: str, llava: tuple[Path, Any], served: LLM
+) -> None:
+    folder, model = llava
+    prompt = PROMPTS[case]()
+    inputs = processor_inputs(folder, prompt)
+    (result,) = served.chat([prompt], GREEDY, use_tqdm=False)
+    assert result.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert result.prompt_token_ids.count(model.config.image_token_id) == IMAGE_TOKENS * len(inputs["pixel_values"])
+    assert result.choices[0].token_ids == transformers_greedy(model, inputs)
+
+
+@pytest.mark.parametrize("chunk", [7, 1])
+def test_images_batched_and_prefilled_in_chunks_that_cut_through_them(chunk: int, llava: tuple[Path, Any]) -> None:
+    """Three image prompts at once, 7 tokens a step (an image's 16 tokens span three chunks, one chunk two images),
+    or one (every prompt token a step of one-token rows, as decodes are): each answer is transformers' for its prompt
+    alone."""
+    folder, model = llava
+    prompts = [PROMPTS[case]() for case in sorted(PROMPTS)]
+    expected = [transformers_greedy(model, processor_inputs(folder, prompt)) for prompt in prompts]
+    with engine(folder, chunk=chunk) as llm:
+        results = llm.chat(prompts, GREEDY, use_tqdm=False)
+    assert [result.choices[0].token_ids for result in results] == expected
+
+
+def test_the_prefix_cache_keeps_apart_prompts_whose_images_differ(llava: tuple[Path, Any], served: LLM) -> None:
+    """The same text with the same image is served again from the cache; with another image (the same placeholder ids)
+    it reads none of the first's blocks, and answers as transformers does for that image."""
+    folder, model = llava
+    question = "Look closely at this picture and tell me everything you see in it, in order."
+    first, again, other = user(question, png(11)), user(question, png(11)), user(question, png(12))
+    results = [served.chat([prompt], GREEDY, use_tqdm=False)[0] for prompt in (first, again, other)]
+    assert results[0].prompt_token_ids == results[2].prompt_token_ids  # placeholders alike, images not
+    assert results[1].usage.cached_prompt_tokens >= 32
+    assert results[1].choices[0].token_ids == results[0].choices[0].token_ids
+    assert results[2].usage.cached_prompt_tokens == 0
+    assert results[2].choices[0].token_ids == transformers_greedy(model, processor_inputs(folder, other))
+
+
+def test_tokenize_counts_an_images_tokens(served: LLM) -> None:
+    ids = served.inputs.tokenize(user("Hi", png(5)))
+    assert len(ids) == len(served.inputs.tokenize(ChatPrompt([ChatMessage("user", "Hi")]))) + IMAGE_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("messages", "match", "param"),
+    [
+        ([ChatMessage("user", content_parts=("Hi", ChatImage(b"not an image")))], "cannot be read",
+         "messages[0].content[1]"),
+        ([ChatMessage("user", "Hi"), ChatMessage("assistant", content_parts=(ChatImage(png(1)),))],
+         "user turns only", "messages[1].content[0]"),
+        ([ChatMessage("user", content_parts=("An <image> here:", ChatImage(png(1))))], "2 image placeholders for 1",
+         "messages"),
+    ],
+)  # fmt: skip
+def test_what_the_engine_cannot_read_is_refused_by_name(
+    served: LLM, messages: list[ChatMessage], match: str, param: str
+) -> None:
+    with pytest.raises(ValidationError, match=match) as refused:
+        served.chat([ChatPrompt(messages)], GREEDY, use_tqdm=False)
+    assert refused.value.param == param
+
+
+def test_an_image_too_large_is_refused_before_it_is_decoded(served: LLM) -> None:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("1", (8000, 6000)).save(out, format="PNG")  # 48 megapixels in a few kilobytes
+    with pytest.raises(ValidationError, match="8000x6000 pixels") as refused:
+        served.chat([user("Hi", out.getvalue())], GREEDY, use_tqdm=False)
+    assert refused.value.param == "messages[0].content[1]"
+
+
+def test_a_model_that_reads_no_images_refuses_one(tmp_path: Path) -> None:
+    """A text model refuses an image turn by name; a LLaVA-NeXT checkpoint (its text model served) says its images
+    are not yet."""
+    from tests.families import save_family
+    from tests.unit.test_multimodal_text_models import _multimodal, _saved
+
+    text_model = save_family(tmp_path / "text", "llama")
+    with engine(text_model) as llm, pytest.raises(ValidationError, match="reads no images") as refused:
+        llm.chat([user("Hi", png(1))], GREEDY, use_tqdm=False)
+    assert refused.value.param == "messages[0].content[1]"
+    _saved(_multimodal("llava_next"), tmp_path / "next")
+    assert json.loads((tmp_path / "next" / "config.json").read_text())["model_type"] == "llava_next"
+    with engine(tmp_path / "next") as llm, pytest.raises(ValidationError, match="not served for llava_next"):
+        llm.chat([user("Hi", png(1))], GREEDY, use_tqdm=False)
