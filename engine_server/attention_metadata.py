@@ -102,6 +102,9 @@ class AttentionMetadata:
     # Prompts with images (`engine_server.multimodal`): the step's rows that take an image's embeddings instead of
     # their token's (`[R]` int64) and those embeddings (`[R, hidden]`), set by the runner; None: no such row.
     image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # ... and with M-RoPE (the Qwen-VL text models), a step that computes such a prompt's tokens: every token's
+    # (temporal, height, width) rope positions `[3, T]` int64 (`multimodal.features.step_mrope_positions`); else None.
+    mrope_positions: torch.Tensor | None = None
 
     @classmethod
     def build(

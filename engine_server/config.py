@@ -31,14 +31,20 @@ _O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = (
 @dataclass(frozen=True)
 class ImageInput:
     """How a multimodal checkpoint whose images are served reads them (`engine_server.multimodal`): its vision
-    encoder (`encoder`: "llava", a tower's hidden states through LLaVA's projector), the placeholder token its chat
-    template writes once per image (`image_token_id`), expanded to one per patch of the processed image's
-    `patch_size` squares plus `extra_tokens` (the tower's class token, unless the projector drops it: -1 to 1)."""
+    encoder (`encoder`: "llava", a tower's hidden states through LLaVA's projector; "qwen2_vl" or "qwen2_5_vl", the
+    Qwen-VL towers over a processed image's patches, merged `merge_size` x `merge_size`), and the placeholder token
+    its chat template writes once per image (`image_token_id`), expanded to the image's tokens: LLaVA's one per patch
+    of `patch_size` squares plus `extra_tokens` (the tower's class token, unless the projector drops it: -1 to 1), the
+    Qwen-VL towers' one per merged patch. With `mrope_section` (the Qwen-VL text models' M-RoPE: rotated pairs turned
+    by the temporal, height and width position) an image's tokens take 3-D positions and the text after them goes on
+    from the largest (`multimodal.inputs.MultimodalInputs.positions`)."""
 
     encoder: str
     image_token_id: int
     patch_size: int
     extra_tokens: int = 0
+    merge_size: int = 1
+    mrope_section: tuple[int, ...] = ()
 
     def tokens_per_image(self, height: int, width: int) -> int:
         """Placeholder tokens of an image processed to `height` x `width` pixels (LLaVA's processor's count)."""

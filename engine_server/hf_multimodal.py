@@ -52,6 +52,8 @@ MULTIMODAL_ARCHITECTURES = frozenset({
 })  # fmt: skip
 # The vision towers LLaVA's images are served over, and the class tokens each puts before its patches' rows.
 _CLASS_TOKENS = {"clip_vision_model": 1, "siglip_vision_model": 0}
+# The Qwen-VL kinds whose images are served (`multimodal.qwen_vl`).
+_QWEN_VL = ("qwen2_vl", "qwen2_5_vl")
 # Multimodal model types people ask for whose text model alone is not what they are (the refusal says why).
 MULTIMODAL_NOT_SERVED = {
     "paligemma": "PaliGemma attends both ways over its whole prompt (a prefix LM), which this engine does not serve",
@@ -97,7 +99,14 @@ def multimodal_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], Multimo
 
 def _image_input(composite: Any) -> ImageInput | None:
     """How a checkpoint whose images are served reads them: LLaVA's (`llava`) over a CLIP or SigLIP tower, whose
-    class token (CLIP's) the "default" feature strategy drops. None for every other kind (text prompts alone)."""
+    class token (CLIP's) the "default" feature strategy drops; Qwen2-VL's and Qwen2.5-VL's, their text model's M-RoPE
+    sections. None for every other kind (text prompts alone)."""
+    if composite.model_type in _QWEN_VL:
+        vision = composite.vision_config
+        rope = composite.get_text_config(decoder=True).rope_parameters or {}
+        section = tuple(int(n) for n in rope.get("mrope_section") or ())
+        return ImageInput(composite.model_type, int(composite.image_token_id), int(vision.patch_size),
+                          merge_size=int(vision.spatial_merge_size), mrope_section=section)  # fmt: skip
     if composite.model_type != "llava":
         return None
     vision = composite.vision_config

@@ -36,7 +36,6 @@ from dataclasses import dataclass, replace
 
 import structlog
 import torch
-from torch import nn
 
 from engine_server.attention_metadata import recurrent_state_bytes
 from engine_server.config import EngineConfig, ModelConfig
@@ -55,6 +54,7 @@ from engine_server.models import (
     get_model_class,
     kv_cache_bytes_per_block,
 )
+from engine_server.multimodal.features import ImageEncoder
 from engine_server.multimodal.processing import images_refusal
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.quantization import (
@@ -103,7 +103,7 @@ class LoadedModel:
     state_snapshots: int = 0
     # The vision encoder of a model whose images are served (`engine_server.multimodal`): pixel values to the text
     # model's embeddings; None for every other (and under tensor parallelism, where images are not served yet).
-    vision: nn.Module | None = None
+    vision: ImageEncoder | None = None
 
     @property
     def scratch_block(self) -> int:
@@ -317,14 +317,19 @@ def load_model(
     return loaded
 
 
-def _load_vision(source: ModelSource, device: torch.device, dtype: torch.dtype, tp: TensorParallel) -> nn.Module | None:
+def _load_vision(
+    source: ModelSource, device: torch.device, dtype: torch.dtype, tp: TensorParallel
+) -> ImageEncoder | None:
     """The vision encoder of a checkpoint whose images are served (`multimodal.processing.images_refusal`: on one
     engine, not under tensor parallelism, with its image processor); None otherwise."""
     if images_refusal(source.config.multimodal, source.path, tp.size):
         return None
     from engine_server.multimodal.llava import LlavaImageEncoder  # (transformers' modules: only for these models)
+    from engine_server.multimodal.qwen_vl import QwenVisionEncoder
 
-    return LlavaImageEncoder.from_checkpoint(source.path, source.lazy_weights(), dtype, device)
+    assert source.config.multimodal is not None and source.config.multimodal.images is not None
+    encoder = LlavaImageEncoder if source.config.multimodal.images.encoder == "llava" else QwenVisionEncoder
+    return encoder.from_checkpoint(source.path, source.lazy_weights(), dtype, device)
 
 
 def _pair_separator(source: ModelSource) -> int | None:

@@ -30,7 +30,7 @@ from engine_server.decode_rows import DecodeRows
 from engine_server.lora.slots import LoraBatch
 from engine_server.model_loading import LoadedModel, capture_decode_graphs
 from engine_server.models import BertEncoder
-from engine_server.multimodal.features import ImageFeatures
+from engine_server.multimodal.features import ImageFeatures, step_mrope_positions
 from engine_server.parallel.step_channel import PendingTokens, StepSender
 from engine_server.pooling.pooler import Pooler
 from engine_server.sampling import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenLogprobs
@@ -240,6 +240,9 @@ class ModelRunner:
         self.image_features = (
             None if loaded.vision is None else ImageFeatures(loaded.vision, loaded.device, loaded.dtype)
         )
+        # Requests whose outputs turn by their index plus a delta (M-RoPE after images: `MultimodalInputs`): their
+        # decode steps take the eager path, which lays out each row's position.
+        self._shifted_rope: set[str] = set()
         # A step runs within `launch` here, so another thread can stop it (engine_server.step_interrupt); not under
         # tensor parallelism, where every rank would have to stop at the same layer.
         # Linear attention's states (`layers.gated_deltanet`): one row per running request (`Request.state_slot`);
@@ -273,6 +276,7 @@ class ModelRunner:
         self.pooler.release(request_id)
         if self.image_features is not None:
             self.image_features.release(request_id)
+            self._shifted_rope.discard(request_id)
 
     @torch.inference_mode()
     def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -512,6 +516,10 @@ class ModelRunner:
         """Hidden states of the step's tokens `[T, hidden]` and, per scheduled request, the row of its last token
         (None for a decode step, where row i is request i's)."""
         steady = output.steady
+        if self._shifted_rope and self._any_shifted(output):
+            self._decode_rows.invalidate()
+            last_only = not (output.reads_prompts or output.has_pooling or output.num_draft_tokens)
+            return self._forward_eager(output.scheduled, interrupt, last_only, output.state_copies)
         if steady is not None:
             layout, continues = self._decode_rows.layout_columns(steady.requests, steady.tables, steady.starts)
         else:
@@ -576,10 +584,19 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         last_rows: list[int] = []
+        mrope = False
         for item in scheduled:
             start, count = item.start_position, item.num_new_tokens
             tokens.add(item.request, start, count, item.draft_token_ids)
-            positions.extend(range(start, start + count))
+            images = item.request.multimodal
+            if images is not None and images.positions is not None:  # (M-RoPE: past the prompt, index + delta)
+                shift = images.position_delta
+                positions.extend(range(start + shift, start + count + shift))
+                mrope = mrope or start < item.request.num_prompt_tokens
+                if shift:
+                    self._shifted_rope.add(item.request.request_id)
+            else:
+                positions.extend(range(start, start + count))
             query_lens.append(count)
             seq_lens.append(start + count)
             last_rows.append(len(tokens.known) - 1)
@@ -588,9 +605,10 @@ class ModelRunner:
         )
         meta.last_rows_only = last_rows_only and self.draft is None
         if self.image_features is not None:
-            meta.image_embeds = self.image_features.step_rows(
-                [(item.request, item.start_position, item.num_new_tokens) for item in scheduled]
-            )
+            chunks = [(item.request, item.start_position, item.num_new_tokens) for item in scheduled]
+            meta.image_embeds = self.image_features.step_rows(chunks)
+            if mrope:
+                meta.mrope_positions = to_device(step_mrope_positions(chunks), self.device)
         if self.state_slots:
             self._set_state_slots(meta, [item.request for item in scheduled], state_copies)
         host_ids, host_positions = (
@@ -612,6 +630,12 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.follow(input_ids, position_ids, meta, hidden)
         return hidden, last_rows
+
+    def _any_shifted(self, output: SchedulerOutput) -> bool:
+        """Whether a step decodes a request whose rope positions are shifted (`_shifted_rope`)."""
+        shifted = self._shifted_rope
+        requests = output.steady.requests if output.steady is not None else [i.request for i in output.scheduled]
+        return any(request.request_id in shifted for request in requests)
 
     def _reaches_images(self, scheduled: list[ScheduledRequest]) -> bool:
         """Whether a step of one-token rows computes a prompt token of a request with images (a prefill's last

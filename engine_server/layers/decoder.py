@@ -480,6 +480,8 @@ class DecoderModel(nn.Module):
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         # Gemma 3: the windowed layers' rope has a base of its own (and no scaling); which layers read it is fixed.
         self.local_rope = bool(config.local_rope_theta)
+        images = None if config.multimodal is None else config.multimodal.images
+        self.mrope_section = () if images is None else images.mrope_section  # the rotated pairs' M-RoPE sections
         self.local_rope_layers = [
             self.local_rope and config.attention_window(i) > 0 for i in range(config.num_hidden_layers)
         ]
@@ -502,6 +504,19 @@ class DecoderModel(nn.Module):
         long = _tokens_of_long_sequences(meta, self.long_rope_after, positions.shape[0])
         long_table_start = self.get_buffer("cos_sin_cache").shape[0] // 2
         return positions + long.to(positions.dtype) * long_table_start
+
+    def _mrope_rows(self, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """M-RoPE's `cos_sin_cache` rows `[T, D]` of tokens at (temporal, height, width) `positions` `[3, T]`: each
+        rotated pair's cos and sin from the row of the position its section turns it by (`ImageInput.mrope_section`:
+        the first pairs by time, the next by height, the last by width), as transformers' Qwen2-VL rotates them."""
+        assert self.mrope_section, "only a model with M-RoPE sections takes 3-D positions"
+        section = torch.tensor(self.mrope_section)
+        component = torch.repeat_interleave(torch.arange(3), section).to(table.device)  # [D / 2]: a pair's
+        if component.shape[0] * 2 != table.shape[1]:
+            raise ValueError(f"M-RoPE sections {section.tolist()} do not cover the {table.shape[1] // 2} rotated pairs")
+        rows = table[positions]  # [3, T, D]
+        index = torch.cat((component, component)).view(1, 1, -1).expand(1, rows.shape[1], -1)
+        return rows.gather(0, index)[0]
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         """The tokens' embeddings `[T, hidden]`, with learned positions added, scaled or normalised as the family
@@ -534,7 +549,7 @@ class DecoderModel(nn.Module):
         if meta.image_embeds is not None:  # images' rows: the encoder's embeddings, as they are (never scaled)
             rows, embeds = meta.image_embeds
             hidden = hidden.index_copy(0, rows, embeds.to(hidden.dtype))
-        stack = self.decode_stack
+        stack = self.decode_stack if meta.mrope_positions is None else None  # (its rope reads the table's rows)
         if stack is not None and (lora is None or lora.weights is self.decode_stack_lora):
             # Prompt tokens go in as decode rows of their own (`token_rows`), as the layers' attention takes them.
             tables, lens = (meta.block_tables, meta.seq_lens) if meta.max_query_len == 1 else meta.token_rows
@@ -551,6 +566,9 @@ class DecoderModel(nn.Module):
         cos_sin = self.get_buffer("cos_sin_cache")
         local = self.get_buffer("local_cos_sin_cache") if self.local_rope else cos_sin
         rope_rows = self.rope_rows(positions, meta)
+        if meta.mrope_positions is not None:  # a table of the step's own rows, each mixed from its three positions
+            cos_sin = self._mrope_rows(meta.mrope_positions, cos_sin)
+            rope_rows = torch.arange(cos_sin.shape[0], device=cos_sin.device)
         for layer, kv_cache, reads_local in zip(self.layers, kv_caches, self.local_rope_layers, strict=True):
             table = local if reads_local else cos_sin
             hidden, residual = layer(rope_rows, hidden, residual, kv_cache, table, meta, ops, lora)

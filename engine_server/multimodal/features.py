@@ -8,17 +8,26 @@ thread only.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
-from torch import nn
 
 from engine_server.core.request import Request
+
+
+class ImageEncoder(Protocol):
+    """A model's vision encoder (`llava.LlavaImageEncoder`, `qwen_vl.QwenVisionEncoder`)."""
+
+    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """One image's processed pixels (`ImageSpan.pixel_values`, on the encoder's device and dtype) and grid ->
+        its tokens' embeddings `[ImageSpan.length, text hidden]`."""
+        ...
 
 
 class ImageFeatures:
     """Per request, each image's encoder output `[length, hidden]` (`ImageSpan.length` rows), made on first need."""
 
-    def __init__(self, encoder: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, encoder: ImageEncoder, device: torch.device, dtype: torch.dtype) -> None:
         self.encoder = encoder
         self.device = device
         self.dtype = dtype
@@ -51,8 +60,7 @@ class ImageFeatures:
         features = cached[index]
         if features is None:
             span = images[index]
-            pixels = span.pixel_values.to(device=self.device, dtype=self.dtype).unsqueeze(0)
-            features = self.encoder(pixels)[0]
+            features = self.encoder.encode(span.pixel_values.to(device=self.device, dtype=self.dtype), span.grid)
             if features.shape[0] != span.length:
                 raise RuntimeError(
                     f"the vision encoder made {features.shape[0]} rows for an image of {span.length} placeholders"
@@ -63,3 +71,22 @@ class ImageFeatures:
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request's images."""
         self._features.pop(request_id, None)
+
+
+def step_mrope_positions(chunks: Sequence[tuple[Request, int, int]]) -> torch.Tensor:
+    """The (temporal, height, width) rope positions `[3, T]` of a step's tokens (`chunks` as `step_rows` takes them):
+    a prompt's with M-RoPE from its `MultimodalInputs.positions`, its later tokens' index plus its delta, every other
+    request's tokens their index in all three."""
+    pieces = []
+    for request, start, count in chunks:
+        end = start + count
+        images = request.multimodal
+        if images is None or images.positions is None:
+            pieces.append(torch.arange(start, end).expand(3, -1))
+            continue
+        prompt = request.num_prompt_tokens
+        if start < prompt:
+            pieces.append(images.positions[:, start : min(end, prompt)])
+        if end > prompt:
+            pieces.append(torch.arange(max(start, prompt), end).expand(3, -1) + images.position_delta)
+    return torch.cat(pieces, dim=1)

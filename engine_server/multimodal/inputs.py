@@ -21,12 +21,14 @@ _DIGEST_DOMAIN = b"ladle.v1 images\0"  # keeps the images' digest apart from any
 @dataclass(frozen=True)
 class ImageSpan:
     """One image of a prompt: its placeholder run `[offset, offset + length)`, the processor's `pixel_values`
-    (`[3, H, W]`, float32) and the sha256 of its file's bytes (`digest`)."""
+    (`[3, H, W]`, float32; the Qwen-VL processors' `[patches, C * T * P * P]` beside their `grid`, the image's
+    (temporal, height, width) patches) and the sha256 of its file's bytes (`digest`)."""
 
     offset: int
     length: int
     pixel_values: torch.Tensor
     digest: bytes
+    grid: tuple[int, int, int] | None = None
 
     @property
     def end(self) -> int:
@@ -47,9 +49,16 @@ class ChunkImageRows:
 @dataclass(frozen=True)
 class MultimodalInputs:
     """A prompt's images in prompt order (their runs disjoint and ascending). Immutable: every choice of an `n > 1`
-    request shares it."""
+    request shares it.
+
+    With M-RoPE (the Qwen-VL text models), `positions` `[3, prompt tokens]` are the prompt's (temporal, height, width)
+    rope positions: a text token's all three its index past the images before it, an image's tokens their row and
+    column in its grid of merged patches from where the text before it ends; every later token (the outputs) turns as
+    plain rope by its index plus `position_delta` (largest position + 1 - prompt tokens, <= 0)."""
 
     images: tuple[ImageSpan, ...]
+    positions: torch.Tensor | None = None
+    position_delta: int = 0
 
     @cached_property
     def digest(self) -> bytes:

@@ -60,6 +60,10 @@ class LlavaImageEncoder(nn.Module):
         encoder.vision_tower.apply(_fresh_buffers)
         return encoder.to(device=device, dtype=dtype).eval()
 
+    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """One image's `[3, H, W]` -> its tokens' embeddings `[tokens, text hidden]` (`ImageEncoder`)."""
+        return self(pixel_values.unsqueeze(0))[0]
+
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         out = self.vision_tower(pixel_values, output_hidden_states=True, return_dict=True)
         layers = [self.feature_layers] if isinstance(self.feature_layers, int) else self.feature_layers

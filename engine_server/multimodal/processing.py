@@ -3,8 +3,10 @@
 `ImageProcessing.prepare` takes the prompt's token ids, in which the chat template wrote the image token once per image
 (LLaVA's `<image>`), and the images' encoded files in the same order: each file is decoded (Pillow, at most
 `max_image_pixels`), turned into pixel values by the checkpoint's image processor (`preprocessor_config.json`, read by
-transformers' PIL backend, as transformers' own processor would), and its one placeholder becomes one per patch
-(`ImageInput.tokens_per_image`). Runs in the frontend, off the step loop.
+transformers' PIL backend, as transformers' own processor would), and its one placeholder becomes its tokens
+(LLaVA's one per patch, `ImageInput.tokens_per_image`; the Qwen-VL towers' one per merged patch of its grid), the
+prompt's M-RoPE positions laid out where the model has them (`qwen_vl.mrope_positions`). Runs in the frontend, off
+the step loop.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from engine_server.config import ImageInput, MultimodalCheckpoint
 from engine_server.errors import ValidationError
 from engine_server.multimodal.inputs import ImageSpan, MultimodalInputs, image_digest
+from engine_server.multimodal.qwen_vl import mrope_positions
 
 # Pixels one image may decode to (its width times height): a 40-megapixel photo fits; a few kilobytes of PNG that
 # claim a billion pixels (a decompression bomb) do not, and are refused before they are decoded.
@@ -66,17 +69,28 @@ class ImageProcessing:
         spans = []
         done = 0
         for place, image in zip(places, images, strict=True):
-            pixels = self._pixel_values(image)
-            length = self.spec.tokens_per_image(int(pixels.shape[-2]), int(pixels.shape[-1]))
+            processed = self._processed(image)
+            pixels, grid = processed["pixel_values"], processed.get("image_grid_thw")
+            if grid is None:  # LLaVA's: one image's `[3, H, W]`
+                pixels = pixels[0]
+                length = self.spec.tokens_per_image(int(pixels.shape[-2]), int(pixels.shape[-1]))
+                size = None
+            else:  # the Qwen-VL processors': the image's patches and its (t, h, w) grid of them
+                size = (int(grid[0][0]), int(grid[0][1]), int(grid[0][2]))
+                length = size[0] * size[1] * size[2] // self.spec.merge_size**2
             out.extend(token_ids[done:place])
-            spans.append(ImageSpan(len(out), length, pixels, image_digest(image.data)))
+            spans.append(ImageSpan(len(out), length, pixels, image_digest(image.data), size))
             out.extend([image_token] * length)
             done = place + 1
         out.extend(token_ids[done:])
-        return out, MultimodalInputs(tuple(spans))
+        if not self.spec.mrope_section:
+            return out, MultimodalInputs(tuple(spans))
+        positions, delta = mrope_positions(len(out), spans, self.spec.merge_size)
+        return out, MultimodalInputs(tuple(spans), positions, delta)
 
-    def _pixel_values(self, image: PromptImage) -> Any:
-        """The processor's pixel values `[3, H, W]` of one image file (its first frame)."""
+    def _processed(self, image: PromptImage) -> Any:
+        """The processor's output for one image file (its first frame): `pixel_values`, and the Qwen-VL processors'
+        `image_grid_thw`."""
         from PIL import Image, UnidentifiedImageError
 
         try:
@@ -96,7 +110,7 @@ class ImageProcessing:
             raise ValidationError(
                 f"the image cannot be read ({error}); send a PNG, JPEG, WebP, GIF or BMP file", image.param
             ) from None
-        return self.processor(images=[rgb], return_tensors="pt")["pixel_values"][0]
+        return self.processor(images=[rgb], return_tensors="pt")
 
 
 def served_images(

@@ -102,14 +102,19 @@ def processor_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor
         AutoImageProcessor.from_pretrained(folder, backend="pil"), tokenizer, patch_size=14,
         num_additional_image_tokens=1, vision_feature_select_strategy="default", chat_template=PARTS_BY_LOOP,
     )  # fmt: skip
-    conversation = [
-        {"role": m.role, "content": [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"}
-                                     for p in m.content_parts]}
-        for m in prompt.messages
-    ]  # fmt: skip
+    conversation = template_turns(prompt)
     text = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     inputs: dict[str, torch.Tensor] = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
     return inputs
+
+
+def template_turns(prompt: ChatPrompt) -> list[dict[str, Any]]:
+    """`prompt`'s turns as transformers' processors take them: content as parts, an image `{"type": "image"}`."""
+    return [
+        {"role": m.role, "content": [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"}
+                                     for p in m.content_parts or (m.content,)]}
+        for m in prompt.messages
+    ]  # fmt: skip
 
 
 def transformers_greedy(model: Any, inputs: dict[str, torch.Tensor]) -> list[int]:
@@ -213,3 +218,113 @@ def test_a_model_that_reads_no_images_refuses_one(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "next" / "config.json").read_text())["model_type"] == "llava_next"
     with engine(tmp_path / "next") as llm, pytest.raises(ValidationError, match="not served for llava_next"):
         llm.chat([user("Hi", png(1))], GREEDY, use_tqdm=False)
+
+
+# The Qwen-VL kinds: a tiny tower of each (patches of 14 pixels, merged 2 x 2) beside a text model whose M-RoPE turns
+# its 8 rotated pairs by time (2), height (3) and width (3).
+QWEN_TOWERS = {
+    "qwen2_vl": {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2},
+    "qwen2_5_vl": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                   "window_size": 56, "fullatt_block_indexes": [1]},
+}  # fmt: skip
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for part in m['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% elif part['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_QWEN_PIXELS = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 12}  # 4 to 12 merged patches an image
+
+
+def save_qwen_vl(folder: Path, kind: str) -> Any:
+    """A tiny `kind` checkpoint that reads images, saved in `folder` as transformers saves it; returns the model."""
+    import transformers
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    copy_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    marks = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": marks})
+    start, image, end, video = tokenizer.convert_tokens_to_ids(marks)
+    tokenizer.chat_template = QWEN_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    text = {**_SHAPE, "vocab_size": video + 8, "head_dim": 16,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}}  # fmt: skip
+    stem = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[kind]
+    config = getattr(transformers, f"{stem}Config")(
+        text_config=text, vision_config=QWEN_TOWERS[kind], image_token_id=image, video_token_id=video,
+        vision_start_token_id=start, vision_end_token_id=end,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{stem}ForConditionalGeneration")(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.3 if "visual" in name else 0.08)
+    model.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(**_QWEN_PIXELS).save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(QWEN_TOWERS))
+def qwen_vl(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    folder = tmp_path_factory.mktemp(request.param)
+    return folder, save_qwen_vl(folder, request.param)
+
+
+def qwen_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor]:
+    """transformers' Qwen-VL processor's inputs for `prompt`."""
+    from PIL import Image
+    from transformers import AutoTokenizer, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    images = [Image.open(io.BytesIO(part.data)).convert("RGB") for m in prompt.messages for _, part in m.images]
+    class ImagesOnly(Qwen2VLProcessor):  # type: ignore[misc]  # (its video processor would need torchvision)
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> type:
+            return type(argument)
+
+    processor = ImagesOnly(Qwen2VLImageProcessorPil(**_QWEN_PIXELS), AutoTokenizer.from_pretrained(folder),
+                           video_processor=None, chat_template=QWEN_TEMPLATE)  # fmt: skip
+    conversation = template_turns(prompt)
+    text = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    inputs: dict[str, torch.Tensor] = processor(text=text, images=images or None, return_tensors="pt",
+                                                add_special_tokens=False)  # fmt: skip
+    return inputs
+
+
+def test_a_qwen_vl_prompt_takes_transformers_3d_positions(qwen_vl: tuple[Path, Any]) -> None:
+    """The prompt's ids and M-RoPE positions (text, an image's grid of merged patches, text after it from the largest
+    position on) and its delta are transformers' `get_rope_index`'s."""
+    from engine_server.frontend import InputProcessor
+    from engine_server.hf_config import model_config_from_hf
+    from engine_server.multimodal.processing import served_images
+    from engine_server.tokenizer.loading import load_tokenizer
+
+    folder, model = qwen_vl
+    config = model_config_from_hf(json.loads((folder / "config.json").read_text()))
+    images, _ = served_images(config.multimodal, folder)
+    inputs = InputProcessor(load_tokenizer(folder), config.vocab_size, 4096, (), images=images)
+    prompt = user("Compare", png(3), "with", png(4, (40, 90)), "please.")
+    prepared = inputs.prepare(prompt, GREEDY)
+    theirs = qwen_inputs(folder, prompt)
+    assert prepared.token_ids == theirs["input_ids"][0].tolist()
+    positions, delta = model.model.get_rope_index(theirs["input_ids"], theirs["mm_token_type_ids"],
+                                                  image_grid_thw=theirs["image_grid_thw"])  # fmt: skip
+    assert prepared.multimodal is not None and prepared.multimodal.positions is not None
+    assert torch.equal(prepared.multimodal.positions, positions[:, 0])
+    assert prepared.multimodal.position_delta == int(delta) < 0
+
+
+@pytest.mark.parametrize("chunk", [2048, 7, 1])
+def test_a_qwen_vl_checkpoint_answers_image_prompts_as_transformers_does(
+    chunk: int, qwen_vl: tuple[Path, Any]
+) -> None:
+    """Qwen2-VL and Qwen2.5-VL: prompts with one image, two and none, batched, prefilled whole, in chunks of 7 and of
+    1 token: each answer (decoded at the positions after the images) is transformers' for its prompt alone."""
+    folder, model = qwen_vl
+    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    expected = [transformers_greedy(model, qwen_inputs(folder, prompt)) for prompt in prompts]
+    with engine(folder, chunk=chunk) as llm:
+        results = llm.chat(prompts, GREEDY, use_tqdm=False)
+    assert [result.choices[0].token_ids for result in results] == expected

@@ -1,0 +1,90 @@
+"""Qwen2-VL's and Qwen2.5-VL's images: their towers (transformers' own modules, over a processed image's patches and
+its grid, merged into one token per `merge_size` x `merge_size` patches) and the 3-D M-RoPE positions of a prompt with
+images, as transformers' `get_rope_index` lays them out for still images."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine_server.multimodal.inputs import ImageSpan
+from engine_server.parallel.layers import CheckpointTensor, read_whole
+
+# The tower's class in transformers, by model type.
+_TOWERS = {
+    "qwen2_vl": ("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
+    "qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel"),
+}
+
+
+class QwenVisionEncoder(nn.Module):
+    """One image's patches `[patches, C * T * P * P]` and grid -> `[patches / merge_size², text hidden]`."""
+
+    def __init__(self, model_type: str, composite: object) -> None:
+        super().__init__()
+        import importlib
+
+        module, name = _TOWERS[model_type]
+        tower_class = getattr(importlib.import_module(module), name)
+        self.visual = tower_class._from_config(composite.vision_config)  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_checkpoint(
+        cls, folder: Path, weights: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype, device: torch.device
+    ) -> QwenVisionEncoder:
+        """The tower of the Qwen-VL checkpoint in `folder`, loaded from `weights` (transformers 5's `model.visual.`
+        or the released `visual.`; the text model's passed over unread). ValueError where a tensor is missing or
+        unexpected."""
+        from transformers import CONFIG_MAPPING
+
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        model_type = config["model_type"]
+        composite = CONFIG_MAPPING[model_type].from_dict(config)
+        from transformers.initialization import no_init_weights
+
+        with no_init_weights():  # (its weights are the checkpoint's; its derived buffers, rope's, made as usual)
+            encoder = cls(model_type, composite)
+        state = {}
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name.startswith("visual."):
+                state[name] = read_whole(tensor)
+        missing, unexpected = encoder.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{folder}: the vision tower's tensors do not match: missing {missing[:4]}, "
+                             f"unexpected {unexpected[:4]}")  # fmt: skip
+        return encoder.to(device=device, dtype=dtype).eval()
+
+    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """One image's patches -> its tokens' embeddings (`ImageEncoder`)."""
+        assert grid is not None, "a Qwen-VL image has its grid"
+        return self(pixel_values, grid)
+
+    def forward(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        grid_thw = torch.tensor([grid], device=pixel_values.device)
+        merged: torch.Tensor = self.visual(pixel_values, grid_thw=grid_thw).pooler_output
+        return merged
+
+
+def mrope_positions(num_tokens: int, images: Sequence[ImageSpan], merge_size: int) -> tuple[torch.Tensor, int]:
+    """The (temporal, height, width) rope positions `[3, num_tokens]` of a prompt with `images` (their runs and grids)
+    and its position delta (`MultimodalInputs.position_delta`)."""
+    pieces = []
+    done = current = 0
+    for image in images:
+        assert image.grid is not None, "a Qwen-VL image has its grid"
+        pieces.append(torch.arange(image.offset - done).expand(3, -1) + current)
+        current += image.offset - done
+        frames, rows, columns = image.grid[0], image.grid[1] // merge_size, image.grid[2] // merge_size
+        grid = torch.stack(torch.meshgrid(torch.arange(frames), torch.arange(rows), torch.arange(columns),
+                                          indexing="ij"))  # fmt: skip
+        pieces.append(grid.reshape(3, -1) + current)
+        current += max(rows, columns)
+        done = image.end
+    pieces.append(torch.arange(num_tokens - done).expand(3, -1) + current)
+    positions = torch.cat(pieces, dim=1)
+    return positions, int(positions.max()) + 1 - num_tokens
