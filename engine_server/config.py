@@ -45,6 +45,10 @@ class ImageInput:
     extra_tokens: int = 0
     merge_size: int = 1
     mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False  # (Qwen3-VL's) pairs turned by time, height, width in turn, not in three runs
+    # Qwen3-VL's DeepStack: the tower's features of this many of its inner layers, each added to the image tokens'
+    # hidden states after one of the text model's first layers (the encoder's rows carry them after the embeddings).
+    deepstack_layers: int = 0
 
     def tokens_per_image(self, height: int, width: int) -> int:
         """Placeholder tokens of an image processed to `height` x `width` pixels (LLaVA's processor's count)."""

@@ -53,7 +53,7 @@ MULTIMODAL_ARCHITECTURES = frozenset({
 # The vision towers LLaVA's images are served over, and the class tokens each puts before its patches' rows.
 _CLASS_TOKENS = {"clip_vision_model": 1, "siglip_vision_model": 0}
 # The Qwen-VL kinds whose images are served (`multimodal.qwen_vl`).
-_QWEN_VL = ("qwen2_vl", "qwen2_5_vl")
+_QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Multimodal model types people ask for whose text model alone is not what they are (the refusal says why).
 MULTIMODAL_NOT_SERVED = {
     "paligemma": "PaliGemma attends both ways over its whole prompt (a prefix LM), which this engine does not serve",
@@ -99,14 +99,18 @@ def multimodal_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], Multimo
 
 def _image_input(composite: Any) -> ImageInput | None:
     """How a checkpoint whose images are served reads them: LLaVA's (`llava`) over a CLIP or SigLIP tower, whose
-    class token (CLIP's) the "default" feature strategy drops; Qwen2-VL's and Qwen2.5-VL's, their text model's M-RoPE
-    sections. None for every other kind (text prompts alone)."""
+    class token (CLIP's) the "default" feature strategy drops; the Qwen-VL kinds' (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and
+    its MoE), their text model's M-RoPE sections (Qwen3-VL's interleaved) and Qwen3-VL's DeepStack layers. None for
+    every other kind (text prompts alone)."""
     if composite.model_type in _QWEN_VL:
         vision = composite.vision_config
         rope = composite.get_text_config(decoder=True).rope_parameters or {}
-        section = tuple(int(n) for n in rope.get("mrope_section") or ())
+        qwen3 = composite.model_type.startswith("qwen3")  # (its default sections: transformers' text rope's)
+        section = tuple(int(n) for n in rope.get("mrope_section") or ((24, 20, 20) if qwen3 else ()))
+        deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or ())
         return ImageInput(composite.model_type, int(composite.image_token_id), int(vision.patch_size),
-                          merge_size=int(vision.spatial_merge_size), mrope_section=section)  # fmt: skip
+                          merge_size=int(vision.spatial_merge_size), mrope_section=section, mrope_interleaved=qwen3,
+                          deepstack_layers=deepstack)  # fmt: skip
     if composite.model_type != "llava":
         return None
     vision = composite.vision_config

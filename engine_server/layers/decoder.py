@@ -482,6 +482,8 @@ class DecoderModel(nn.Module):
         self.local_rope = bool(config.local_rope_theta)
         images = None if config.multimodal is None else config.multimodal.images
         self.mrope_section = () if images is None else images.mrope_section  # the rotated pairs' M-RoPE sections
+        self.mrope_interleaved = images is not None and images.mrope_interleaved
+        self.deepstack_layers = 0 if images is None else images.deepstack_layers
         self.local_rope_layers = [
             self.local_rope and config.attention_window(i) > 0 for i in range(config.num_hidden_layers)
         ]
@@ -508,10 +510,16 @@ class DecoderModel(nn.Module):
     def _mrope_rows(self, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """M-RoPE's `cos_sin_cache` rows `[T, D]` of tokens at (temporal, height, width) `positions` `[3, T]`: each
         rotated pair's cos and sin from the row of the position its section turns it by (`ImageInput.mrope_section`:
-        the first pairs by time, the next by height, the last by width), as transformers' Qwen2-VL rotates them."""
+        the first pairs by time, the next by height, the last by width; interleaved, Qwen3-VL's), as transformers'
+        Qwen-VL models rotate them."""
         assert self.mrope_section, "only a model with M-RoPE sections takes 3-D positions"
         section = torch.tensor(self.mrope_section)
-        component = torch.repeat_interleave(torch.arange(3), section).to(table.device)  # [D / 2]: a pair's
+        component = torch.repeat_interleave(torch.arange(3), section)  # [D / 2]: a pair's
+        if self.mrope_interleaved:  # Qwen3-VL's: pair i by height where i % 3 == 1, by width where 2, within their
+            component = torch.zeros_like(component)  # sections' share (3 x its size), else by time
+            for axis in (1, 2):
+                component[axis : 3 * self.mrope_section[axis] : 3] = axis
+        component = component.to(table.device)
         if component.shape[0] * 2 != table.shape[1]:
             raise ValueError(f"M-RoPE sections {section.tolist()} do not cover the {table.shape[1] // 2} rotated pairs")
         rows = table[positions]  # [3, T, D]
@@ -546,10 +554,13 @@ class DecoderModel(nn.Module):
         before wrote their K/V; engine_server.step_interrupt). `lora`: the step's LoRA adapters (run in the
         decode stack when it holds their slots, `decode_stack_lora`; else the step runs the layers)."""
         hidden = self.embed(input_ids, positions, ops)
+        deepstack: list[torch.Tensor] = []
         if meta.image_embeds is not None:  # images' rows: the encoder's embeddings, as they are (never scaled)
             rows, embeds = meta.image_embeds
-            hidden = hidden.index_copy(0, rows, embeds.to(hidden.dtype))
-        stack = self.decode_stack if meta.mrope_positions is None else None  # (its rope reads the table's rows)
+            width = hidden.shape[1]
+            hidden = hidden.index_copy(0, rows, embeds[:, :width].to(hidden.dtype))
+            deepstack = [embeds[:, width * (i + 1) : width * (i + 2)] for i in range(self.deepstack_layers)]
+        stack = self.decode_stack if meta.mrope_positions is None and not deepstack else None  # (rope: the table's)
         if stack is not None and (lora is None or lora.weights is self.decode_stack_lora):
             # Prompt tokens go in as decode rows of their own (`token_rows`), as the layers' attention takes them.
             tables, lens = (meta.block_tables, meta.seq_lens) if meta.max_query_len == 1 else meta.token_rows
@@ -569,9 +580,15 @@ class DecoderModel(nn.Module):
         if meta.mrope_positions is not None:  # a table of the step's own rows, each mixed from its three positions
             cos_sin = self._mrope_rows(meta.mrope_positions, cos_sin)
             rope_rows = torch.arange(cos_sin.shape[0], device=cos_sin.device)
-        for layer, kv_cache, reads_local in zip(self.layers, kv_caches, self.local_rope_layers, strict=True):
+        for index, (layer, kv_cache, reads_local) in enumerate(
+            zip(self.layers, kv_caches, self.local_rope_layers, strict=True)
+        ):
             table = local if reads_local else cos_sin
             hidden, residual = layer(rope_rows, hidden, residual, kv_cache, table, meta, ops, lora)
+            if index < len(deepstack):  # DeepStack: the layer's output, summed, plus the images' features there
+                assert meta.image_embeds is not None and residual is not None
+                residual = (hidden + residual).index_add(0, meta.image_embeds[0], deepstack[index].to(hidden.dtype))
+                hidden = torch.zeros_like(hidden)  # (the next norm adds it: the sum, exactly)
             if interrupt is not None and interrupt.is_set():
                 raise StepInterrupted
         assert residual is not None, "a model has at least one layer"

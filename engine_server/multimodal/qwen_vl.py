@@ -1,6 +1,7 @@
-"""Qwen2-VL's and Qwen2.5-VL's images: their towers (transformers' own modules, over a processed image's patches and
-its grid, merged into one token per `merge_size` x `merge_size` patches) and the 3-D M-RoPE positions of a prompt with
-images, as transformers' `get_rope_index` lays them out for still images."""
+"""Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's images: their towers (transformers' own modules, over a processed image's
+patches and its grid, merged into one token per `merge_size` x `merge_size` patches; Qwen3-VL's DeepStack features of
+inner layers beside) and the 3-D M-RoPE positions of a prompt with images, as transformers' `get_rope_index` lays them
+out for still images."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from engine_server.parallel.layers import CheckpointTensor, read_whole
 _TOWERS = {
     "qwen2_vl": ("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
     "qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel"),
+    "qwen3_vl": ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLVisionModel"),
+    "qwen3_vl_moe": ("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeVisionModel"),
 }
 
 
@@ -65,8 +68,12 @@ class QwenVisionEncoder(nn.Module):
         return self(pixel_values, grid)
 
     def forward(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """`[tokens, text hidden]`; Qwen3-VL's `[tokens, text hidden * (1 + DeepStack layers)]`: each token's
+        embedding, then its DeepStack features in layer order (`ImageInput.deepstack_layers`)."""
         grid_thw = torch.tensor([grid], device=pixel_values.device)
-        merged: torch.Tensor = self.visual(pixel_values, grid_thw=grid_thw).pooler_output
+        out = self.visual(pixel_values, grid_thw=grid_thw)
+        deepstack = getattr(out, "deepstack_features", None) or []
+        merged: torch.Tensor = torch.cat([out.pooler_output, *deepstack], dim=-1) if deepstack else out.pooler_output
         return merged
 
 

@@ -226,7 +226,16 @@ QWEN_TOWERS = {
     "qwen2_vl": {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2},
     "qwen2_5_vl": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
                    "window_size": 56, "fullatt_block_indexes": [1]},
+    "qwen3_vl": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                 "patch_size": 14, "num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1]},
 }  # fmt: skip
+QWEN_TOWERS["qwen3_vl_moe"] = QWEN_TOWERS["qwen3_vl"]
+# The text model's keys beside the tests' shape: Qwen3-VL's rope interleaved, its MoE's experts.
+_QWEN_TEXT = {
+    "qwen3_vl": {"mrope_interleaved": True},
+    "qwen3_vl_moe": {"mrope_interleaved": True, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24},
+}  # fmt: skip
+_QWEN_STEMS = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL", "qwen3_vl_moe": "Qwen3VLMoe"}
 QWEN_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for part in m['content'] %}"
     "{% if part['type'] == 'text' %}{{ part['text'] }}{% elif part['type'] == 'image' %}"
@@ -249,9 +258,12 @@ def save_qwen_vl(folder: Path, kind: str) -> Any:
     start, image, end, video = tokenizer.convert_tokens_to_ids(marks)
     tokenizer.chat_template = QWEN_TEMPLATE
     tokenizer.save_pretrained(folder)
-    text = {**_SHAPE, "vocab_size": video + 8, "head_dim": 16,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}}  # fmt: skip
-    stem = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[kind]
+    extra = dict(_QWEN_TEXT.get(kind, {}))
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
+    if extra.pop("mrope_interleaved", False):
+        rope["mrope_interleaved"] = True
+    text = {**_SHAPE, "vocab_size": video + 8, "head_dim": 16, "rope_parameters": rope, **extra}
+    stem = _QWEN_STEMS[kind]
     config = getattr(transformers, f"{stem}Config")(
         text_config=text, vision_config=QWEN_TOWERS[kind], image_token_id=image, video_token_id=video,
         vision_start_token_id=start, vision_end_token_id=end,
@@ -261,7 +273,7 @@ def save_qwen_vl(folder: Path, kind: str) -> Any:
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if parameter.dim() > 1:
-                parameter.normal_(0.0, 0.3 if "visual" in name else 0.08)
+                parameter.normal_(0.0, 0.3 if "visual" in name or name.endswith("mlp.gate.weight") else 0.08)
     model.save_pretrained(folder)
     Qwen2VLImageProcessorPil(**_QWEN_PIXELS).save_pretrained(folder)
     return model
@@ -320,8 +332,9 @@ def test_a_qwen_vl_prompt_takes_transformers_3d_positions(qwen_vl: tuple[Path, A
 def test_a_qwen_vl_checkpoint_answers_image_prompts_as_transformers_does(
     chunk: int, qwen_vl: tuple[Path, Any]
 ) -> None:
-    """Qwen2-VL and Qwen2.5-VL: prompts with one image, two and none, batched, prefilled whole, in chunks of 7 and of
-    1 token: each answer (decoded at the positions after the images) is transformers' for its prompt alone."""
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (interleaved M-RoPE, DeepStack features added after the first
+    layers): prompts with one image, two and none, batched, prefilled whole, in chunks of 7 and of 1 token: each
+    answer (decoded at the positions after the images) is transformers' for its prompt alone."""
     folder, model = qwen_vl
     prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
     expected = [transformers_greedy(model, qwen_inputs(folder, prompt)) for prompt in prompts]
