@@ -233,7 +233,8 @@ QWEN_TOWERS["qwen3_vl_moe"] = QWEN_TOWERS["qwen3_vl"]
 # The text model's keys beside the tests' shape: Qwen3-VL's rope interleaved, its MoE's experts.
 _QWEN_TEXT = {
     "qwen3_vl": {"mrope_interleaved": True},
-    "qwen3_vl_moe": {"mrope_interleaved": True, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24},
+    "qwen3_vl_moe": {"mrope_interleaved": True, "num_experts": 4, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": 24},
 }  # fmt: skip
 _QWEN_STEMS = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL", "qwen3_vl_moe": "Qwen3VLMoe"}
 QWEN_TEMPLATE = (
