@@ -195,10 +195,12 @@ class DecodeGraphs:
         layout: DecodeLayout,
         pending: tuple[torch.Tensor, torch.Tensor] | None = None,
         adapter_slots: Sequence[int] | None = None,
+        position_shifts: np.ndarray[Any, np.dtype[np.int64]] | None = None,
     ) -> torch.Tensor:
         """`run` with the rows' layout already built (not modified here). `token_ids` may be a device tensor
         `[B]` int64 (the tokens the previous step sampled, never on the host), copied in on the device.
-        `adapter_slots`: each row's LoRA slot (None: no row has an adapter); only for graphs with `lora_slots`."""
+        `adapter_slots`: each row's LoRA slot (None: no row has an adapter); only for graphs with `lora_slots`.
+        `position_shifts`: each row's rope position past its token's index (M-RoPE's delta after images; None: 0)."""
         batch = len(layout.seq_lens)
         bucket = self.bucket_for(batch)
         if batch == 0 or bucket is None:
@@ -211,7 +213,7 @@ class DecodeGraphs:
         on_device = token_ids if isinstance(token_ids, torch.Tensor) else None
         if on_device is None:
             tokens[0, :batch] = token_ids
-        tokens[1, :batch] = layout.seq_lens - 1
+        tokens[1, :batch] = layout.seq_lens - 1 if position_shifts is None else layout.seq_lens - 1 + position_shifts
         tokens[2, :batch] = layout.slots
         tokens[2, batch:] = self.scratch_block * self.block_size
         lens = np.ones(bucket, dtype=np.int32)

@@ -240,8 +240,8 @@ class ModelRunner:
         self.image_features = (
             None if loaded.vision is None else ImageFeatures(loaded.vision, loaded.device, loaded.dtype)
         )
-        # Requests whose outputs turn by their index plus a delta (M-RoPE after images: `MultimodalInputs`): their
-        # decode steps take the eager path, which lays out each row's position.
+        # Requests whose outputs turn by their index plus a delta (M-RoPE after images: `MultimodalInputs`), whose
+        # decode rows' positions are shifted so (`_position_shifts`): filled as their prompts run.
         self._shifted_rope: set[str] = set()
         # A step runs within `launch` here, so another thread can stop it (engine_server.step_interrupt); not under
         # tensor parallelism, where every rank would have to stop at the same layer.
@@ -516,10 +516,6 @@ class ModelRunner:
         """Hidden states of the step's tokens `[T, hidden]` and, per scheduled request, the row of its last token
         (None for a decode step, where row i is request i's)."""
         steady = output.steady
-        if self._shifted_rope and self._any_shifted(output):
-            self._decode_rows.invalidate()
-            last_only = not (output.reads_prompts or output.has_pooling or output.num_draft_tokens)
-            return self._forward_eager(output.scheduled, interrupt, last_only, output.state_copies)
         if steady is not None:
             layout, continues = self._decode_rows.layout_columns(steady.requests, steady.tables, steady.starts)
         else:
@@ -531,6 +527,10 @@ class ModelRunner:
                 return self._forward_eager(scheduled, interrupt, last_only, output.state_copies)
             layout, continues = self._decode_rows.layout(scheduled)
         num_rows = len(layout.seq_lens)
+        shifts = None
+        if self._shifted_rope:
+            rows = steady.requests if steady is not None else [item.request for item in output.scheduled]
+            shifts = self._position_shifts(rows)
         adapter_slots = None
         if self.lora_slots is not None:
             rows = steady.requests if steady is not None else [item.request for item in output.scheduled]
@@ -549,13 +549,13 @@ class ModelRunner:
             if self.fan_out is not None:  # every rank replays its graph of this bucket
                 host_ids, sent_pending = _host_decode_inputs(step_ids, pending_rows, pending)
                 self.fan_out.decode_graph(host_ids, layout, bucket, sent_pending)
-            return graphs.run_layout(step_ids, layout, pending, adapter_slots), None
+            return graphs.run_layout(step_ids, layout, pending, adapter_slots, shifts), None
         lora = self._lora_batch(adapter_slots)
         meta = AttentionMetadata.from_decode_layout(layout, self.block_size, self.device)
         if self.state_slots:
             rows = steady.requests if steady is not None else [item.request for item in output.scheduled]
             self._set_state_slots(meta, rows, output.state_copies)
-        host_positions = torch.from_numpy(layout.seq_lens - 1)
+        host_positions = torch.from_numpy(layout.seq_lens - 1 if shifts is None else layout.seq_lens - 1 + shifts)
         if self.fan_out is not None:  # before the index_copy_ below, which on the CPU writes the host tensor
             host_ids, sent_pending = _host_decode_inputs(step_ids, pending_rows, pending)
             self.fan_out.forward(host_ids, host_positions, meta, sent_pending)
@@ -631,11 +631,15 @@ class ModelRunner:
             self.draft.follow(input_ids, position_ids, meta, hidden)
         return hidden, last_rows
 
-    def _any_shifted(self, output: SchedulerOutput) -> bool:
-        """Whether a step decodes a request whose rope positions are shifted (`_shifted_rope`)."""
+    def _position_shifts(self, requests: list[Request]) -> np.ndarray[Any, np.dtype[np.int64]] | None:
+        """Each decode row's rope position past its token's index (`_shifted_rope`'s delta, else 0); None for none."""
         shifted = self._shifted_rope
-        requests = output.steady.requests if output.steady is not None else [i.request for i in output.scheduled]
-        return any(request.request_id in shifted for request in requests)
+        shifts = [
+            request.multimodal.position_delta if request.multimodal is not None and request.request_id in shifted
+            else 0
+            for request in requests
+        ]  # fmt: skip
+        return np.asarray(shifts, dtype=np.int64) if any(shifts) else None
 
     def _reaches_images(self, scheduled: list[ScheduledRequest]) -> bool:
         """Whether a step of one-token rows computes a prompt token of a request with images (a prefill's last

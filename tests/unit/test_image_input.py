@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine_server.cuda_graphs import EagerCapture
 from engine_server.errors import ValidationError
 from engine_server.frontend import ChatPrompt
 from engine_server.llm import LLM
@@ -329,16 +330,21 @@ def test_a_qwen_vl_prompt_takes_transformers_3d_positions(qwen_vl: tuple[Path, A
     assert prepared.multimodal.position_delta == int(delta) < 0
 
 
-@pytest.mark.parametrize("chunk", [2048, 7, 1])
+@pytest.mark.parametrize(("chunk", "graphs"), [(2048, False), (7, False), (1, False), (2048, True)])
 def test_a_qwen_vl_checkpoint_answers_image_prompts_as_transformers_does(
-    chunk: int, qwen_vl: tuple[Path, Any]
+    chunk: int, graphs: bool, qwen_vl: tuple[Path, Any]
 ) -> None:
     """Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (interleaved M-RoPE, DeepStack features added after the first
-    layers): prompts with one image, two and none, batched, prefilled whole, in chunks of 7 and of 1 token: each
-    answer (decoded at the positions after the images) is transformers' for its prompt alone."""
+    layers): prompts with one image, two and none, batched, prefilled whole, in chunks of 7 and of 1 token, and decoded
+    through the decode graphs' path: each answer (decoded at the positions after the images) is transformers' for its
+    prompt alone."""
     folder, model = qwen_vl
     prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
     expected = [transformers_greedy(model, qwen_inputs(folder, prompt)) for prompt in prompts]
     with engine(folder, chunk=chunk) as llm:
+        if graphs:  # the decode graphs' padded static buffers (CUDA's path), their rows' positions shifted
+            llm.core.runner.capture_decode_graphs(EagerCapture())
         results = llm.chat(prompts, GREEDY, use_tqdm=False)
+        replays = llm.core.runner.decode_graphs.replays if graphs else {}
     assert [result.choices[0].token_ids for result in results] == expected
+    assert not graphs or sum(replays.values()) >= NEW_TOKENS - 1
