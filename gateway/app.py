@@ -2,8 +2,8 @@
 
 The lifespan opens the engine pool (channels + health polling), the files-and-batches service (database, blob
 directory, batch workers), the stored responses (on that database, with their background runner) and the
-usage flush, and closes them; routers reach them through dependencies. Nothing lives at module level, so tests
-can build as many apps as they like.
+usage flush, and closes them and the image fetcher's HTTP client; routers reach them through dependencies.
+Nothing lives at module level, so tests can build as many apps as they like.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from gateway.config import GatewayConfig
 from gateway.engines import EnginePool
 from gateway.errors import install_error_handlers
 from gateway.keys import KeyRing
+from gateway.media import MediaFetcher
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware
 from gateway.rate_limits import RateLimiter, RateLimits
@@ -57,7 +58,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     pool = EnginePool(config)
     adapter_registry = AdapterRegistry(pool)
     metrics = GatewayMetrics(pool)
-    service = BatchService(config, pool, metrics, tracing.tracer)
+    media = MediaFetcher.from_config(config)
+    service = BatchService(config, pool, metrics, tracing.tracer, media)
     stored_responses = ResponseService(pool, config.batch_lease_s, metrics.usage, config.response_retention_s,
                                        config.file_sweep_interval_s)
     metrics.watch_batches(service.count_by_status, service.lines_in_flight)
@@ -84,6 +86,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 await service.close()
         finally:
             await pool.close()
+            await media.aclose()
             lag_probe.cancel()
             await asyncio.to_thread(tracing.shutdown)
 
@@ -97,6 +100,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.state.responses = stored_responses
     app.state.adapters = adapter_registry
     app.state.limiter = limiter
+    app.state.media = media
     app.state.draining = False  # set on SIGTERM under --drain-grace (gateway.server): /health answers 503
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, metrics=metrics, max_request_bytes=config.max_request_bytes,

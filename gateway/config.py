@@ -15,6 +15,8 @@ DEFAULT_PROJECT_MAX_ACTIVE_BATCHES = 100
 MAX_BATCH_WORKERS = 64
 DEFAULT_MIN_FREE_DISK_BYTES = 1024 * 1024**2  # below this free on the blob volume: 507 for new uploads and batches
 DNS_PREFIX = "dns:"  # an engine target whose every resolved address is one engine
+DEFAULT_IMAGE_FETCH_TIMEOUT_S = 10.0
+DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024  # OpenAI's limit for an image input
 
 
 def default_data_dir() -> Path:
@@ -52,6 +54,10 @@ class GatewayConfig:
     lease runs out). Every `file_sweep_interval_s` the files whose expiry has passed are deleted, and the stored
     responses older than `response_retention_s` (None: kept until deleted). Below `min_free_disk_bytes` free on
     the blob directory's file system (0: no floor), uploads and new batches are refused with 507 (gateway/disk.py).
+
+    Images in chat messages (gateway/media.py): an http(s) image URL is fetched within `image_fetch_timeout_s`
+    (redirects included), only from the hosts in `allowed_media_domains` (exact names; empty: any host, as vLLM's
+    flag of that name), and an image, fetched or a data: URL's, may hold at most `max_image_bytes`.
     """
 
     engines: tuple[str, ...]
@@ -87,6 +93,9 @@ class GatewayConfig:
     rate_limits_file: Path | None = None
     otlp_traces_endpoint: str | None = None
     engine_auth_token: str | None = field(default=None, repr=False)
+    image_fetch_timeout_s: float = DEFAULT_IMAGE_FETCH_TIMEOUT_S
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    allowed_media_domains: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -108,6 +117,13 @@ class GatewayConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0 (or None: no limit)")
+        if self.image_fetch_timeout_s <= 0 or self.max_image_bytes < 1:
+            raise ValueError("image_fetch_timeout_s and max_image_bytes must be positive")
+
+
+def parse_domains(value: str) -> tuple[str, ...]:
+    """`HOST[,HOST...]` as lower-case host names (an empty string: none, so any host)."""
+    return tuple(dict.fromkeys(part.strip().lower() for part in value.split(",") if part.strip()))
 
 
 def parse_engine_addresses(value: str) -> tuple[str, ...]:

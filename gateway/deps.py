@@ -18,6 +18,7 @@ from gateway.config import GatewayConfig
 from gateway.engines import EnginePool
 from gateway.errors import APIError, model_not_found, unknown_model_message
 from gateway.keys import KeyRing
+from gateway.media import MediaFetcher
 from gateway.metrics import GatewayMetrics
 from gateway.rate_limits import Admission, RateLimiter
 from gateway.responses.service import ResponseService
@@ -48,6 +49,11 @@ def get_responses(request: Request) -> ResponseService:
 def get_adapters(request: Request) -> AdapterRegistry:
     adapters: AdapterRegistry = request.app.state.adapters
     return adapters
+
+
+def get_media(request: Request) -> MediaFetcher:
+    media: MediaFetcher = request.app.state.media
+    return media
 
 
 def get_limiter(request: Request) -> RateLimiter:
@@ -259,4 +265,5 @@ Config = Annotated[GatewayConfig, Depends(get_config)]
 Project = Annotated[str, Depends(request_project)]
 IsAdmin = Annotated[bool, Depends(request_is_admin)]
 Limiter = Annotated[RateLimiter, Depends(get_limiter)]
+Media = Annotated[MediaFetcher, Depends(get_media)]
 HttpRequest = Request  # a route's own HTTP request (named apart from the engine request routes build)

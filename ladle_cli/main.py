@@ -236,6 +236,12 @@ def _gateway_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--max-engine-message-mib", 64.0, "largest engine reply the gateway takes (the engine's own limit "
          "is 64; a batch line whose reply is larger ends as an error line)", type=float)
     _add(parser, "--max-request-mib", 16.0, "largest accepted request body in MiB (then HTTP 413)", type=float)
+    _add(parser, "--max-image-mib", 20.0, "largest image a chat message may carry in MiB, in a data: URL or fetched "
+         "(then HTTP 400)", type=float)
+    _add(parser, "--image-fetch-timeout", 10.0, "seconds fetching an http(s) image URL of a chat message may take, "
+         "redirects included (then HTTP 400)", type=float)
+    _add(parser, "--allowed-media-domains", "", "host names image URLs may be fetched from, comma-separated (exact "
+         "names, checked on every redirect; default: any host)")
     _add(parser, "--data-dir", "", "where files' bytes (and the default SQLite database) live "
          "(default: $XDG_DATA_HOME/ladle or ~/.local/share/ladle)")
     _add(parser, "--database-url", "", "SQLAlchemy URL of the files-and-batches database, e.g. "
@@ -391,7 +397,7 @@ def _engine(args: argparse.Namespace) -> int:
 def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
     from pathlib import Path
 
-    from gateway.config import GatewayConfig, parse_engine_addresses
+    from gateway.config import GatewayConfig, parse_domains, parse_engine_addresses
     from gateway.keys import read_keys
     from gateway.rate_limits import RateLimits
     from gateway.routing import RoutingConfig
@@ -418,6 +424,9 @@ def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
         shutdown_timeout_s=args.shutdown_timeout,
         max_engine_message_bytes=int(args.max_engine_message_mib * 1024 * 1024),
         max_request_bytes=int(args.max_request_mib * 1024 * 1024),
+        max_image_bytes=int(args.max_image_mib * 1024 * 1024),
+        image_fetch_timeout_s=args.image_fetch_timeout,
+        allowed_media_domains=parse_domains(args.allowed_media_domains),
         data_dir=Path(args.data_dir) if args.data_dir else None,
         database_url=args.database_url or None,
         max_file_bytes=int(args.max_file_mib * 1024 * 1024),

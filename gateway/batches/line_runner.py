@@ -6,7 +6,8 @@ a call about twice its `max_num_seqs` ahead, so more would only sit in buffers),
 given, at most its permits over every batch of the project that shares it. Each line's result is handed to
 `emit` as soon as all of its engine items have answered (generations, or Embed / Score requests for the pooling
 endpoints). Any item error that is not about load is that line's result: an error line with the HTTP status
-the route would have answered.
+the route would have answered. A line's images are fetched before it is taken, a few lines ahead
+(`line_images`); images that cannot be had are that line's error line too (400, as the route answers).
 
 Every send of a line is an attempt (`attempts.PendingLine`) with fresh item and request ids. An attempt fails
 without being a result when its call fails while it is in flight (the engine died, restarts or drains; the call
@@ -45,9 +46,11 @@ import structlog
 from gateway import calls
 from gateway.batches import lines
 from gateway.batches.attempts import ABORTED, AttemptLimits, PendingLine, call_failure, parse_item_id
+from gateway.batches.line_images import LinesWithImages
 from gateway.batches.lines import InputLine
 from gateway.engines import Engine, EnginePool
 from gateway.errors import APIError, grpc_status, item_error
+from gateway.media import MediaFetcher
 from gateway.store.batches import LineFailures
 from gateway.store.ids import BATCH_REQUEST_PREFIX, new_id
 from ladle.v1 import engine_pb2, types_pb2
@@ -171,7 +174,8 @@ class LineRunner:
     flight of every runner that shares it (one per project). `failures` are the failed attempts earlier runs
     recorded, by custom_id; `on_failure` is told each line's count whenever it grows, to record it. After a call
     that failed, the next one waits `backoff_s`, doubled after each further failed call in a row up to
-    `max_backoff_s` (tests of many faults set them small)."""
+    `max_backoff_s` (tests of many faults set them small). `media` fetches the lines' images a few lines ahead
+    (`line_images`; None: a fetcher with the default limits, opened and closed by each run)."""
 
     def __init__(
         self,
@@ -186,8 +190,10 @@ class LineRunner:
         on_failure: Callable[[str, LineFailures], None] | None = None,
         backoff_s: float = BACKOFF_S,
         max_backoff_s: float = MAX_BACKOFF_S,
+        media: MediaFetcher | None = None,
     ) -> None:
         self.pool = pool
+        self.media = media
         self.model = model
         self.window = window
         self.cache_salt = cache_salt
@@ -206,7 +212,9 @@ class LineRunner:
         """Run every line of `source` once, calling `emit` with each result as it is final. Returns True once
         every line has its result, False as soon as `stop` is set (lines then in flight are cancelled in the
         engine and have no result)."""
-        progress = _Progress(emit, _Source(source))
+        media = self.media or MediaFetcher()
+        lines_in = LinesWithImages(source, media)
+        progress = _Progress(emit, _Source(lines_in))
         backoff = self.backoff_s
         try:
             while not stop.is_set():
@@ -233,6 +241,9 @@ class LineRunner:
             return False
         finally:
             progress.source.close()
+            lines_in.close()
+            if self.media is None:
+                await media.aclose()
 
     async def _serving_engine(self, stop: asyncio.Event, adapter: str) -> Engine | None:
         while not stop.is_set():

@@ -11,6 +11,8 @@ refused. The body is checked with the route's own pydantic schema and
 `translate.to_engine` or `translate.pooling_to_engine`, so a line that validates here is a request the synchronous
 route would also accept. A generation line's `model` may name a LoRA adapter the engines serve (`line_adapter`):
 its requests carry it, and its response names it; a pooling line naming one is refused, as the routes refuse it.
+A chat or responses line's images (`image_sources`) are checked here (a data: URL decoded, an http(s) URL's form)
+and fetched only when the line runs (`line_images`): a fetch that fails is that line's error line.
 Validation never raises for a line's content: whatever is wrong with a line (JSON nested too deep for the parser,
 a lone UTF-16 surrogate that no UTF-8 file or protobuf can carry, a value the engine request cannot hold) becomes
 that line's `LineError`, and a line that validates can be sent to the engine and written to the result files.
@@ -19,8 +21,8 @@ that line's `LineError`, and a line that validates can be sent to the engine and
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import pydantic
@@ -41,6 +43,7 @@ from gateway.translate import (
     responses_to_engine,
     to_engine,
 )
+from gateway.translate.images import ImageSource, chat_image_sources, unfetched
 from ladle.v1 import engine_pb2, types_pb2
 
 if TYPE_CHECKING:  # not at run time: the validation child imports this module, and calls imports the pool
@@ -66,11 +69,14 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True)
 class InputLine:
-    """One request of a batch: `index` counts the file's non-blank lines from 0."""
+    """One request of a batch: `index` counts the file's non-blank lines from 0. `images` holds the bytes of its
+    image URLs once fetched (`line_images`), or `image_error` why they could not be."""
 
     index: int
     custom_id: str
     body: Body
+    images: Mapping[str, bytes] = field(default_factory=dict, repr=False, compare=False)
+    image_error: APIError | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -176,7 +182,8 @@ def parse_line(
                          f"only; use the model `{model}` for {url}", "body.model")
     line = InputLine(index, custom_id, body)
     try:
-        for request in engine_requests(line, "validation", info):
+        checked = replace(line, images=unfetched(image_sources(line)))  # http(s) images stand empty until it runs
+        for request in engine_requests(checked, "validation", info):
             request.SerializeToString()
     except APIError as exc:
         raise refuse("invalid_body", f"body: {exc.message}", f"body.{exc.param}" if exc.param else "body") from None
@@ -243,6 +250,16 @@ def line_adapter(line: InputLine, model: str) -> str:
     return ""
 
 
+def image_sources(line: InputLine) -> list[ImageSource]:
+    """The images a chat or responses line holds (none for the other endpoints), named as the route names them."""
+    body = line.body
+    if isinstance(body, ChatCompletionRequest):
+        return chat_image_sources(body.messages)
+    if isinstance(body, ResponsesRequest) and not isinstance(body.input, str):
+        return responses_to_engine.image_sources([], responses_to_engine.input_items(body), "input")
+    return []
+
+
 def engine_requests(
     line: InputLine, request_id: str, info: engine_pb2.GetModelInfoResponse | None = None, *, cache_salt: str = "",
     adapter: str = "",
@@ -251,16 +268,19 @@ def engine_requests(
     several (ids `{request_id}-{i}`), or one per distinct query of an N-vs-N score body. `info` as the routes
     pass it to `translate.pooling_to_engine`; `cache_salt` the batch's project's
     (`translate.cache_salt.project_cache_salt`), combined with a body's own `cache_salt` as the routes do;
-    `adapter` the line's LoRA adapter (`line_adapter`), for a generation line. APIError if the body cannot be
-    expressed."""
+    `adapter` the line's LoRA adapter (`line_adapter`), for a generation line; images from `line.images`.
+    APIError if the body cannot be expressed (or its images could not be fetched: `line.image_error`)."""
+    if line.image_error is not None:
+        raise line.image_error
     body = line.body
     requests: list[EngineRequest]
     if isinstance(body, ChatCompletionRequest):
-        requests = [to_engine.chat_request(body, body.messages, request_id, cache_salt=cache_salt, adapter=adapter)]
+        requests = [to_engine.chat_request(body, body.messages, request_id, cache_salt=cache_salt, adapter=adapter,
+                                           images=line.images)]
     elif isinstance(body, CompletionRequest):
         requests = list(to_engine.completion_requests(body, request_id, cache_salt=cache_salt, adapter=adapter))
     elif isinstance(body, ResponsesRequest):
-        requests = [_responses_request(body, request_id, cache_salt, adapter)]
+        requests = [_responses_request(body, request_id, cache_salt, adapter, line.images)]
     elif isinstance(body, EmbeddingRequest):
         requests = [pooling_to_engine.embed_request(body, request_id, info, cache_salt=cache_salt)]
     elif isinstance(body, ScoreRequest):
@@ -298,14 +318,15 @@ def response_body(line: InputLine, replies: Sequence[EngineReply], request_id: s
 
 
 def _responses_request(
-    body: ResponsesRequest, request_id: str, cache_salt: str, adapter: str
+    body: ResponsesRequest, request_id: str, cache_salt: str, adapter: str, images: Mapping[str, bytes]
 ) -> engine_pb2.GenerateRequest:
     for name in ("previous_response_id", "conversation", "background"):
         if getattr(body, name):
             raise APIError(400, f"{name} is not supported in a batch line: send the whole conversation as input "
                            "items", param=name)
     items = responses_to_engine.input_items(body)
-    return responses_to_engine.generate_request(body, items, request_id, cache_salt=cache_salt, adapter=adapter)
+    return responses_to_engine.generate_request(body, items, request_id, cache_salt=cache_salt, adapter=adapter,
+                                                images=images)
 
 
 ReplyT = TypeVar("ReplyT", engine_pb2.GenerateResponse, engine_pb2.EmbedResponse, engine_pb2.ScoreResponse)

@@ -23,6 +23,7 @@ from gateway.batches.sweeper import FileSweeper
 from gateway.batches.worker import BatchWorker, WorkerSettings, leased
 from gateway.config import GatewayConfig, default_data_dir
 from gateway.engines import EnginePool
+from gateway.media import MediaFetcher
 from gateway.metrics import GatewayMetrics
 from gateway.store.batches import BatchRecord, BatchStore
 from gateway.store.blobs import BlobStore
@@ -37,9 +38,10 @@ class BatchService:
     """The file and batch stores, the blob directory and the workers of one gateway."""
 
     def __init__(self, config: GatewayConfig, pool: EnginePool, metrics: GatewayMetrics,
-                 tracer: trace.Tracer | None = None) -> None:
+                 tracer: trace.Tracer | None = None, media: MediaFetcher | None = None) -> None:
         self.config = config
         self.tracer = tracer
+        self.media = media  # fetches the images of the lines' chat messages (None: each run opens its own)
         self.pool = pool
         self.metrics = metrics
         self.data_dir = config.data_dir or default_data_dir()
@@ -88,7 +90,7 @@ class BatchService:
                                   project_max_file_bytes=self.config.project_max_file_bytes)
         for _ in range(self.config.batch_workers):
             worker = BatchWorker(self.batches, self.blobs, self.pool, settings, self.wake, self.metrics,
-                                 self.project_window, self.claim_turn, self.tracer)
+                                 self.project_window, self.claim_turn, self.tracer, self.media)
             self.workers.append(worker)
             self._tasks.append(asyncio.create_task(worker.run(), name=f"batch-worker-{worker.name}"))
         sweeper = FileSweeper(self.files, self.blobs, self.config.file_sweep_interval_s)

@@ -53,6 +53,7 @@ from gateway.batches.lines import InputLine
 from gateway.batches.results import ResultSink, committed_custom_ids, publish
 from gateway.batches.validation import validate_file
 from gateway.engines import EnginePool
+from gateway.media import MediaFetcher
 from gateway.metrics import GatewayMetrics
 from gateway.store.batches import BatchRecord, BatchStatus, BatchStore, Claim, FinalStatus, LeaseLostError
 from gateway.store.blobs import BlobStore, upload_key
@@ -101,6 +102,7 @@ class BatchWorker:
         project_window: Callable[[str], asyncio.Semaphore] | None = None,
         claim_turn: asyncio.Lock | None = None,
         tracer: trace.Tracer | None = None,
+        media: MediaFetcher | None = None,
     ) -> None:
         self.store = store
         self.blobs = blobs
@@ -111,6 +113,7 @@ class BatchWorker:
         self.project_window = project_window
         self.claim_turn = claim_turn or asyncio.Lock()
         self.tracer = tracer  # a span per claim run, parent of its Batch calls' engine spans
+        self.media = media  # fetches the lines' images (None: each run opens its own, with the default limits)
         self.name = f"{os.uname().nodename}:{os.getpid()}:{secrets.token_hex(4)}"
         self.runner: LineRunner | None = None  # while lines run, for /metrics
 
@@ -303,7 +306,8 @@ class BatchWorker:
         runner = LineRunner(self.pool, batch.model or self.pool.model_id or "", self.settings.window,
                             cache_salt=project_cache_salt(batch.project), project_window=window,
                             limits=self.settings.attempt_limits, failures=failures, on_failure=sink.note_failure,
-                            backoff_s=self.settings.call_backoff_s, max_backoff_s=self.settings.call_backoff_max_s)
+                            backoff_s=self.settings.call_backoff_s, max_backoff_s=self.settings.call_backoff_max_s,
+                            media=self.media)
         self.runner = runner
         started = time.monotonic()
         try:

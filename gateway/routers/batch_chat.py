@@ -14,13 +14,25 @@ from typing import Any
 from fastapi import APIRouter, Depends
 
 from gateway import calls
-from gateway.deps import CallId, HttpRequest, Metrics, Pool, Project, RequestTimer, admit, require_api_key, served_model
+from gateway.deps import (
+    CallId,
+    HttpRequest,
+    Media,
+    Metrics,
+    Pool,
+    Project,
+    RequestTimer,
+    admit,
+    require_api_key,
+    served_model,
+)
 from gateway.errors import invalid
 from gateway.json_output import FiniteJSONResponse
 from gateway.rate_limits import times
 from gateway.schemas.chat import BatchChatCompletionRequest
 from gateway.translate import from_engine, to_engine
 from gateway.translate.cache_salt import project_cache_salt
+from gateway.translate.images import chat_image_sources
 from ladle.v1 import types_pb2
 
 ROUTE = "/v1/chat/completions/batch"
@@ -44,6 +56,7 @@ async def create_batch_chat_completion(
     rid: CallId,
     project: Project,
     http: HttpRequest,
+    media: Media,
 ) -> Any:
     served = served_model(pool, body.model)
     model = served.id
@@ -53,8 +66,10 @@ async def create_batch_chat_completion(
         if not conversation:
             raise invalid(f"conversation {i} has no messages", f"messages[{i}]")
     salt = project_cache_salt(project)
+    images = await media.images([source for i, conv in enumerate(body.messages)
+                                 for source in chat_image_sources(conv, f"messages[{i}]")])
     requests = [
-        to_engine.chat_request(body, conv, f"{rid}-{i}", cache_salt=salt, adapter=served.adapter)
+        to_engine.chat_request(body, conv, f"{rid}-{i}", cache_salt=salt, adapter=served.adapter, images=images)
         for i, conv in enumerate(body.messages)
     ]
     for request in requests:

@@ -8,13 +8,25 @@ from typing import Any
 from fastapi import APIRouter, Depends
 
 from gateway import calls, sse
-from gateway.deps import CallId, HttpRequest, Metrics, Pool, Project, RequestTimer, admit, require_api_key, served_model
+from gateway.deps import (
+    CallId,
+    HttpRequest,
+    Media,
+    Metrics,
+    Pool,
+    Project,
+    RequestTimer,
+    admit,
+    require_api_key,
+    served_model,
+)
 from gateway.json_output import FiniteJSONResponse
 from gateway.rate_limits import times
 from gateway.schemas.chat import ChatCompletionRequest
 from gateway.streaming import StreamHeader, chat_chunks
 from gateway.translate import from_engine, to_engine
 from gateway.translate.cache_salt import project_cache_salt
+from gateway.translate.images import chat_image_sources
 
 ROUTE = "/v1/chat/completions"
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -28,12 +40,14 @@ async def create_chat_completion(
     rid: CallId,
     project: Project,
     http: HttpRequest,
+    media: Media,
 ) -> Any:
     served = served_model(pool, body.model)
     model = served.id
     admission = await admit(http, project, times(body.completion_cap(), body.n))
+    images = await media.images(chat_image_sources(body.messages))
     request = to_engine.chat_request(body, body.messages, rid, cache_salt=project_cache_salt(project),
-                                     adapter=served.adapter)
+                                     adapter=served.adapter, images=images)
     timer = RequestTimer(metrics, ROUTE, project, model, admission)
     if body.stream:
         messages = await calls.started(calls.stream(pool, request))

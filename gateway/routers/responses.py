@@ -13,6 +13,7 @@ from gateway import calls, sse
 from gateway.deps import (
     CallId,
     HttpRequest,
+    Media,
     Metrics,
     Pool,
     Project,
@@ -27,6 +28,7 @@ from gateway.deps import (
 from gateway.engines import EnginePool
 from gateway.errors import invalid
 from gateway.json_output import FiniteJSONResponse
+from gateway.media import MediaFetcher
 from gateway.responses import truncation
 from gateway.responses.events import ResponseEvents, response_events
 from gateway.responses.service import ResponseService
@@ -43,7 +45,7 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 @router.post(ROUTE, response_model=None, responses=sse.STREAMING_RESPONSES)
 async def create_response(
     body: ResponsesRequest, pool: Pool, metrics: Metrics, rid: CallId, project: Project, responses: Responses,
-    http: HttpRequest,
+    http: HttpRequest, media: Media,
 ) -> Any:
     served = served_model(pool, body.model)
     model = served.id
@@ -52,7 +54,7 @@ async def create_response(
         raise invalid("background responses must be stored: send store: true (the default)", "store")
     if body.background and body.stream:
         raise invalid("streaming a background response is not supported; poll GET /v1/responses/{id}", "stream")
-    items, conversation, request = await _engine_request(body, served, pool, rid, project, responses)
+    items, conversation, request = await _engine_request(body, served, pool, rid, project, responses, media)
     want_logprobs = request.sampling.logprobs
     response_id = new_id(RESPONSE_PREFIX)
     if body.background:
@@ -79,7 +81,7 @@ async def create_response(
 
 @router.post(ROUTE + "/input_tokens", response_model=None)
 async def count_input_tokens(
-    body: InputTokensRequest, pool: Pool, rid: CallId, project: Project, responses: Responses
+    body: InputTokensRequest, pool: Pool, rid: CallId, project: Project, responses: Responses, media: Media
 ) -> Any:
     """How many input tokens a response to `body` would read (OpenAI's `POST /v1/responses/input_tokens`): its
     conversation (a stored `conversation`'s items or the chain `previous_response_id` names, then the body's input,
@@ -87,22 +89,25 @@ async def count_input_tokens(
     `truncation: "auto"` when asked. Nothing is generated, stored or counted against the project's limits."""
     served = served_or_default(pool, body.model)
     _, _, request = await _engine_request(body.model_copy(update={"model": served.id}), served, pool, rid, project,
-                                          responses)
+                                          responses, media)
     reply = await calls.tokenize(pool, engine_pb2.TokenizeRequest(input=request.input))
     return {"object": "response.input_tokens", "input_tokens": len(reply.token_ids)}
 
 
 async def _engine_request(
-    body: ResponsesRequest, served: ServedModel, pool: EnginePool, rid: str, project: str, responses: ResponseService
+    body: ResponsesRequest, served: ServedModel, pool: EnginePool, rid: str, project: str, responses: ResponseService,
+    media: MediaFetcher,
 ) -> tuple[list[dict[str, Any]], str | None, engine_pb2.GenerateRequest]:
     """`body`'s own input items, the stored conversation it continues (None: none), and the engine request for its
-    whole conversation (a conversation's items or a previous_response_id chain's, then its own), with
-    `truncation: "auto"` applied."""
+    whole conversation (a conversation's items or a previous_response_id chain's, then its own; their images
+    fetched), with `truncation: "auto"` applied."""
     items = responses_to_engine.input_items(body)
     conversation = responses_to_engine.conversation_id(body)
     history = await responses.history(body.previous_response_id, conversation, project)
+    history_param = "conversation" if conversation is not None else "previous_response_id"
+    images = await media.images(responses_to_engine.image_sources(history, items, history_param))
     request = responses_to_engine.generate_request(body, history + items, rid, cache_salt=project_cache_salt(project),
-                                                   adapter=served.adapter)
+                                                   adapter=served.adapter, images=images)
     if body.truncation == "auto":
         await truncation.fit_context(pool, request)
     return items, conversation, request

@@ -11,11 +11,12 @@ import pydantic
 from fastapi import APIRouter, Depends
 
 from gateway import calls
-from gateway.deps import CallId, Pool, require_api_key, served_or_default
+from gateway.deps import CallId, Media, Pool, require_api_key, served_or_default
 from gateway.errors import invalid, invalid_body
 from gateway.schemas.chat import ChatCompletionRequest
 from gateway.schemas.tokenize import DetokenizeRequest, TokenizeRequest
 from gateway.translate import to_engine
+from gateway.translate.images import chat_image_sources
 from ladle.v1 import engine_pb2, types_pb2
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -24,7 +25,7 @@ version_router = APIRouter()
 
 
 @router.post("/tokenize", response_model=None)
-async def tokenize(body: TokenizeRequest, pool: Pool, rid: CallId) -> Any:
+async def tokenize(body: TokenizeRequest, pool: Pool, rid: CallId, media: Media) -> Any:
     """`{"count", "max_model_len", "tokens", "token_strs"}` (the tokens' texts with `return_token_strs`)."""
     if (body.prompt is None) == (body.messages is None):
         raise invalid("send exactly one of prompt and messages", "prompt")
@@ -38,7 +39,8 @@ async def tokenize(body: TokenizeRequest, pool: Pool, rid: CallId) -> Any:
             })
         except pydantic.ValidationError as exc:
             raise invalid_body(exc) from None
-        request.input.CopyFrom(to_engine.chat_request(chat, chat.messages, rid).input)
+        images = await media.images(chat_image_sources(chat.messages))
+        request.input.CopyFrom(to_engine.chat_request(chat, chat.messages, rid, images=images).input)
     else:
         request.input.CopyFrom(types_pb2.Input(text=body.prompt or ""))
         request.add_special_tokens = body.add_special_tokens is not False

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from gateway.schemas.common import IGNORE_EXTRA, UINT32_MAX, SamplingFields
 
@@ -13,12 +13,40 @@ from gateway.schemas.common import IGNORE_EXTRA, UINT32_MAX, SamplingFields
 ALLOWED_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort", "add_generation_prompt"})
 
 
+class ImageURL(BaseModel):
+    """An `image_url` part's image: a data: URL (`data:image/png;base64,...`) or an http(s) URL the gateway fetches."""
+
+    model_config = IGNORE_EXTRA
+    url: str
+    detail: str | None = None  # OpenAI's "auto", "low", "high": taken and ignored (the model's processor decides)
+
+
 class ContentPart(BaseModel):
-    """One part of a multi-part message; only text parts are supported (the models served are text-only)."""
+    """One part of a multi-part message: text, or an image (`image_url`: {"url", "detail"}, or the URL alone as a
+    string, vLLM's simple form, with or without `"type": "image_url"`). Other types are refused when the message
+    is translated, naming the part."""
 
     model_config = IGNORE_EXTRA
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _typeless_image(cls, value: Any) -> Any:
+        """vLLM's `{"image_url": "..."}`: a part with an image and no type is an image_url part."""
+        if isinstance(value, dict) and "type" not in value and "image_url" in value:
+            return {**value, "type": "image_url"}
+        return value
+
+    def image_source(self) -> tuple[str, str] | None:
+        """(the image's URL, its field below the part: "image_url.url" or "image_url") of an image_url part that
+        has one; None otherwise."""
+        if isinstance(self.image_url, ImageURL):
+            return self.image_url.url, "image_url.url"
+        if isinstance(self.image_url, str):
+            return self.image_url, "image_url"
+        return None
 
 
 class FunctionCall(BaseModel):

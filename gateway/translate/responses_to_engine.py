@@ -5,8 +5,10 @@ function calls and their outputs), after the items of the stored responses it co
 or of its stored `conversation` (both resolved by the caller), become the conversation; `instructions` its system
 message; `text.format`, `tools`, `tool_choice`, `reasoning.effort` and `max_output_tokens` the chat fields they
 stand for. The chat request is built with the chat route's own schema and `to_engine.chat_request`, so both routes
-check and send the same things. What a text-only model or ladle cannot do (images, files, hosted tools such as
-web_search, stored prompts) is a 400 naming the field.
+check and send the same things. A message's `input_image` parts with an `image_url` (a data: or http(s) URL) become
+the chat's image parts, their bytes fetched by the route first (`image_sources`, `gateway.media`). What ladle
+cannot do (images by `file_id`, files, audio, hosted tools such as web_search, stored prompts) is a 400 naming the
+field.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from gateway.errors import APIError, invalid, invalid_body
 from gateway.schemas.chat import ChatCompletionRequest
 from gateway.schemas.responses import ResponsesRequest
 from gateway.translate import to_engine
+from gateway.translate.images import NO_IMAGES, ImageBytes, ImageSource, url_kind
 from ladle.v1 import engine_pb2
 
 # OpenAI's `include` values; only the logprobs one changes anything here (the others name tools or media that
@@ -31,6 +34,7 @@ INCLUDES = frozenset({
     "computer_call_output.output.image_url", "code_interpreter_call.outputs",
 })
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
+_IMAGE_PART = "input_image"
 _ID_PREFIXES = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
 _ROLES = frozenset({"user", "system", "developer", "assistant"})
 MAX_ITEM_ID = 128  # characters of an item id a client chooses (the stored column's width)
@@ -79,7 +83,10 @@ def _check_item(item: dict[str, Any], where: str) -> None:
         if not isinstance(content, list):
             raise invalid(f"{where}.content must be a string or a list of content parts", f"{where}.content")
         for j, part in enumerate(content):
-            _text_of_part(part, f"{where}.content[{j}]")
+            if isinstance(part, dict) and part.get("type") == _IMAGE_PART:
+                _image_url(part, f"{where}.content[{j}]")
+            else:
+                _text_of_part(part, f"{where}.content[{j}]", "text and input_image")
     elif kind == "function_call":
         for name in ("call_id", "name", "arguments"):
             if not isinstance(item.get(name), str):
@@ -98,10 +105,10 @@ def _check_item(item: dict[str, Any], where: str) -> None:
                       "function_call_output and reasoning items", f"{where}.type")
 
 
-def _text_of_part(part: Any, where: str) -> str:
+def _text_of_part(part: Any, where: str, readable: str = "text") -> str:
     if not isinstance(part, dict) or (part.get("type") not in _TEXT_PARTS and part.get("type") != "refusal"):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        raise invalid(f"{where}: content part type {kind!r} is not supported; this model reads text only",
+        raise invalid(f"{where}: content part type {kind!r} is not supported here; ladle reads {readable} parts",
                       f"{where}.type")
     text = part.get("refusal") if part.get("type") == "refusal" else part.get("text")
     if not isinstance(text, str):
@@ -109,8 +116,55 @@ def _text_of_part(part: Any, where: str) -> str:
     return text
 
 
+def _image_url(part: dict[str, Any], where: str) -> str:
+    """An input_image part's URL, its scheme checked (data: or http(s)); 400 for an image given by file_id."""
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        if part.get("file_id") is not None:
+            raise invalid(f"{where}: an input_image given by file_id is not supported; send it as image_url (a "
+                          "data: URL or an http(s) URL)", f"{where}.file_id")
+        raise invalid(f"{where}.image_url must be a data: URL or an http(s) URL", f"{where}.image_url")
+    url_kind(ImageSource(url, f"{where}.image_url"))
+    return url
+
+
 def _joined(parts: Iterable[dict[str, Any]]) -> str:
     return "\n".join(_text_of_part(p, "content") for p in parts)
+
+
+def _message_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A message item's parts as chat content: its text joined, or, with an image among them, chat parts in order."""
+    if not any(part.get("type") == _IMAGE_PART for part in parts):
+        return _joined(parts)
+    return [{"type": "image_url", "image_url": {"url": part["image_url"], "detail": part.get("detail")}}
+            if part.get("type") == _IMAGE_PART else {"type": "text", "text": _text_of_part(part, "content")}
+            for part in parts]
+
+
+def image_sources(
+    history: Sequence[dict[str, Any]], items: Sequence[dict[str, Any]], history_param: str
+) -> list[ImageSource]:
+    """Every input_image of a conversation, in order: those of the stored `history` it continues named by the
+    field that brought them (`history_param`: previous_response_id or conversation), then the body's own `items`'
+    (`input[i].content[j].image_url`)."""
+    sources = [ImageSource(url, history_param) for url in _image_urls(history)]
+    for i, item in enumerate(items):
+        for j, url in _indexed_image_urls(item):
+            sources.append(ImageSource(url, f"input[{i}].content[{j}].image_url"))
+    return sources
+
+
+def _image_urls(items: Iterable[dict[str, Any]]) -> Iterable[str]:
+    for item in items:
+        for _, url in _indexed_image_urls(item):
+            yield url
+
+
+def _indexed_image_urls(item: dict[str, Any]) -> list[tuple[int, str]]:
+    if item["type"] != "message":
+        return []
+    return [(j, part["image_url"]) for j, part in enumerate(item["content"])
+            if part.get("type") == _IMAGE_PART and isinstance(part.get("image_url"), str)]
 
 
 def chat_messages(instructions: str | None, items: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -125,7 +179,7 @@ def chat_messages(instructions: str | None, items: Sequence[dict[str, Any]]) -> 
     for item in items:
         kind = item["type"]
         if kind == "message":
-            messages.append({"role": item["role"], "content": _joined(item["content"])})
+            messages.append({"role": item["role"], "content": _message_content(item["content"])})
         elif kind == "function_call":
             call_names[item["call_id"]] = item["name"]
             call = {"id": item["call_id"], "type": "function",
@@ -216,14 +270,16 @@ def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
 
 def generate_request(
     body: ResponsesRequest, items: Sequence[dict[str, Any]], request_id: str, *, cache_salt: str = "",
-    adapter: str = "",
+    adapter: str = "", images: ImageBytes = NO_IMAGES,
 ) -> engine_pb2.GenerateRequest:
     """The engine request for `body` over the conversation `items` (a stored chain's items, then the body's own
-    `input_items`), with its `instructions` first, on LoRA `adapter` ("" for the base model); 400 (naming the
-    Responses field where it differs from chat's) for anything the engine request cannot express."""
+    `input_items`), with its `instructions` first, on LoRA `adapter` ("" for the base model), its images' bytes
+    from `images` (`image_sources`, fetched); 400 (naming the Responses field where it differs from chat's) for
+    anything the engine request cannot express."""
     chat = chat_body(body, chat_messages(body.instructions, items))
     try:
-        return to_engine.chat_request(chat, chat.messages, request_id, cache_salt=cache_salt, adapter=adapter)
+        return to_engine.chat_request(chat, chat.messages, request_id, cache_salt=cache_salt, adapter=adapter,
+                                      images=images)
     except APIError as error:
         error.param = _RENAMED.get(error.param or "", error.param)
         raise

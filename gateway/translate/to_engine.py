@@ -4,6 +4,11 @@ engine cannot express is a 400 naming the field.
 Fields left unset in the OpenAI body stay unset in the proto, so the engine applies its generation defaults (the
 model's, see engine_server.generation_defaults); completions' max_tokens keeps OpenAI's documented default, 16.
 The pooling bodies (embeddings, score, rerank) are `pooling_to_engine`'s; it shares this module's input helpers.
+
+A message whose parts hold an image is sent as ordered `content_parts` (text and images); one of text parts alone
+is joined into `content`, as before images were taken. An image's bytes come from `images` (`translate.images`),
+which the route fills before translating: every image URL of the request, data: URLs decoded and http(s) URLs
+fetched (`gateway.media`).
 """
 
 from __future__ import annotations
@@ -13,17 +18,19 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from gateway.errors import invalid
+from gateway.errors import APIError, invalid
 from gateway.schemas.chat import (
     ALLOWED_TEMPLATE_KWARGS,
     ChatFields,
     ChatMessage,
+    ContentPart,
     NamedToolChoice,
     ToolDefinition,
 )
 from gateway.schemas.common import UINT32_MAX, SamplingFields
 from gateway.schemas.completions import MAX_PROMPTS, CompletionRequest
 from gateway.translate.cache_salt import request_cache_salt
+from gateway.translate.images import NO_IMAGES, ImageBytes
 from ladle.v1 import engine_pb2, types_pb2
 
 ENGINE_SEEDS = 2**63  # the engine takes seeds in [0, 2**63) (engine_server.sampling_params.SEED_LIMIT)
@@ -121,10 +128,11 @@ def _schema_text(value: dict[str, Any] | str) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def chat_input(body: ChatFields, messages: list[ChatMessage]) -> types_pb2.Input:
-    """A conversation with its tools and template options as the engine's chat input."""
+def chat_input(body: ChatFields, messages: list[ChatMessage], images: ImageBytes = NO_IMAGES) -> types_pb2.Input:
+    """A conversation with its tools and template options as the engine's chat input; `images` holds the bytes of
+    its image URLs."""
     chat = types_pb2.ChatInput(
-        messages=[chat_message(m, i) for i, m in enumerate(messages)],
+        messages=[chat_message(m, i, images) for i, m in enumerate(messages)],
         tools=[_tool(t) for t in body.tools or []],
         add_generation_prompt=body.add_generation_prompt,
     )
@@ -163,29 +171,58 @@ def template_kwargs(kwargs: dict[str, Any], chat: types_pb2.ChatInput) -> None:
         chat.chat_template_kwargs_json = json.dumps(variables)
 
 
-def chat_message(message: ChatMessage, index: int) -> types_pb2.ChatMessage:
-    """One message of a conversation (the `index`-th, for the 400's field name); developer is a system message."""
+def chat_message(message: ChatMessage, index: int, images: ImageBytes = NO_IMAGES) -> types_pb2.ChatMessage:
+    """One message of a conversation (the `index`-th, for the 400's field name); developer is a system message.
+    Its image parts take their bytes from `images` (an image missing there is a 400: a route that reads no
+    images passes none)."""
     out = types_pb2.ChatMessage(
         role="system" if message.role == "developer" else message.role,
-        content=_content(message, index),
         name=message.name or "",
         tool_call_id=message.tool_call_id or "",
     )
+    if isinstance(message.content, list) and any(part.type == "image_url" for part in message.content):
+        out.content_parts.extend(_content_parts(message.content, f"messages[{index}].content", images))
+    else:
+        out.content = _text(message, index)
     for call in message.tool_calls or []:
         out.tool_calls.add(id=call.id, name=call.function.name, arguments_json=call.function.arguments)
     return out
 
 
-def _content(message: ChatMessage, index: int) -> str:
+def _text(message: ChatMessage, index: int) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     texts = []
     for j, part in enumerate(message.content):
         if part.type != "text" or part.text is None:
-            raise invalid(f"content part type {part.type!r} is not supported; this model reads text only",
-                          f"messages[{index}].content[{j}].type")
+            raise _unsupported_part(part, f"messages[{index}].content[{j}]")
         texts.append(part.text)
     return "\n".join(texts)
+
+
+def _content_parts(parts: list[ContentPart], where: str, images: ImageBytes) -> Iterator[types_pb2.ContentPart]:
+    """Text and image parts in their order (adjacent text parts stay apart: the template joins them)."""
+    for j, part in enumerate(parts):
+        if part.type == "text" and part.text is not None:
+            yield types_pb2.ContentPart(text=part.text)
+            continue
+        if part.type != "image_url":
+            raise _unsupported_part(part, f"{where}[{j}]")
+        found = part.image_source()
+        if found is None:
+            raise invalid("an image_url part needs its image: {\"image_url\": {\"url\": \"data:...\" or "
+                          "\"https://...\"}}", f"{where}[{j}].image_url")
+        data = images.get(found[0])
+        if data is None:
+            raise invalid("image parts are not read on this route", f"{where}[{j}].type")
+        yield types_pb2.ContentPart(image=types_pb2.Image(data=data))
+
+
+def _unsupported_part(part: ContentPart, where: str) -> APIError:
+    if part.type == "text":
+        return invalid("a text part needs its text", f"{where}.text")
+    return invalid(f"content part type {part.type!r} is not supported; ladle reads text and image_url parts",
+                   f"{where}.type")
 
 
 def _tool(tool: ToolDefinition) -> types_pb2.Tool:
@@ -211,24 +248,27 @@ def unicode_text() -> Iterator[None]:
 
 
 def chat_request(
-    body: ChatFields, messages: list[ChatMessage], request_id: str, *, cache_salt: str = "", adapter: str = ""
+    body: ChatFields, messages: list[ChatMessage], request_id: str, *, cache_salt: str = "", adapter: str = "",
+    images: ImageBytes = NO_IMAGES,
 ) -> engine_pb2.GenerateRequest:
     """One engine request for one conversation of a chat body. `cache_salt` is the caller's project's
     (`cache_salt.project_cache_salt`); the request carries it combined with the body's own `cache_salt`.
-    `adapter`: the LoRA adapter the body's `model` names ("" for the base model)."""
+    `adapter`: the LoRA adapter the body's `model` names ("" for the base model). `images`: the bytes of every
+    image URL in `messages` (`gateway.media.MediaFetcher.images`)."""
     with unicode_text():
-        return _chat_request(body, messages, request_id, cache_salt, adapter)
+        return _chat_request(body, messages, request_id, cache_salt, adapter, images)
 
 
 def _chat_request(
-    body: ChatFields, messages: list[ChatMessage], request_id: str, cache_salt: str, adapter: str
+    body: ChatFields, messages: list[ChatMessage], request_id: str, cache_salt: str, adapter: str,
+    images: ImageBytes,
 ) -> engine_pb2.GenerateRequest:
     logprobs = body.logprobs
     if body.top_logprobs and not logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     request = engine_pb2.GenerateRequest(
         request_id=request_id,
-        input=chat_input(body, messages),
+        input=chat_input(body, messages, images),
         sampling=sampling(body, body.completion_cap(), logprobs, body.top_logprobs or 0),
         cache_salt=request_cache_salt(cache_salt, body.cache_salt),
         adapter=adapter,

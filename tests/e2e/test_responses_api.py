@@ -240,8 +240,8 @@ def test_errors_in_openais_shape(gateway_http: httpx.Client, model_id: str) -> N
     hosted = error(400, {"model": model_id, "input": "x", "tools": [{"type": "web_search"}]})
     assert hosted["param"] == "tools[0].type" and "web_search" in hosted["message"]
     image = error(400, {"model": model_id, "input": [{"role": "user", "content": [
-        {"type": "input_image", "image_url": "https://example.com/a.png"}]}]})
-    assert image["param"] == "input[0].content[0].type"
+        {"type": "input_image", "file_id": "file-abc"}]}]})
+    assert image["param"] == "input[0].content[0].file_id"
     assert error(400, {"model": model_id, "input": "x", "background": True, "store": False})["param"] == "store"
     assert error(404, {"model": "gpt-4o", "input": "x"})["code"] == "model_not_found"
     assert error(400, {"model": model_id, "input": "x", "include": ["everything"]})["param"] == "include"

@@ -5,6 +5,10 @@ the reply's text is the request's last chat message (or prompt) upper-cased (a s
 Embed answers each input with `fake_vector` (DIMENSIONS values from a hash of the input, truncated to `dimensions`,
 normalized unless `normalize` is false; one token per character or id) and Score with the cosine similarity of the
 query's and each document's vector; Batch answers `embed` and `score` items likewise.
+A chat turn's `content_parts` echo as their text with each image as `<image N>` (N its bytes); the engine's
+rules for them hold (INVALID_ARGUMENT naming `messages[i].content...`: `content` and `content_parts` both set, a part
+with neither text nor an image, an image when `reads_images` is false, as a text model refuses it), and every
+image received is kept in `images`.
 It keeps the real engine's rules for a Batch call: an item id must be non-empty and unique within the call
 (else the item fails INVALID_ARGUMENT, as engine_server.server.servicer answers), and the call reads at most
 2 x `max_num_seqs` items ahead of its answers (the engine's intake window; the caller's further items wait).
@@ -64,6 +68,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     unavailable: bool = False
     unavailable_after_output: bool = False
     generated: int = 0  # Generate and Stream calls answered
+    reads_images: bool = True  # False: a turn with an image is refused, as a text model's engine refuses it
+    images: list[bytes] = field(default_factory=list)  # every image of a chat turn received, in order
     _kills: set[asyncio.Event] = field(default_factory=set)  # one per Batch call running
 
     def kill_calls(self) -> None:
@@ -71,10 +77,29 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         for kill in self._kills:
             kill.set()
 
+    def _chat_refusal(self, value: types_pb2.Input) -> tuple[str, str] | None:
+        """(message, param) of the engine's INVALID_ARGUMENT for a chat input's turns; None if they are fine (their
+        images are then kept in `images`)."""
+        if value.WhichOneof("kind") != "chat":
+            return None
+        for i, message in enumerate(value.chat.messages):
+            if message.content_parts and message.content:
+                return "set a message's content or its content_parts, not both", f"messages[{i}].content"
+            for j, part in enumerate(message.content_parts):
+                kind = part.WhichOneof("part")
+                if kind is None:
+                    return "a content part must hold text or an image", f"messages[{i}].content[{j}]"
+                if kind == "image" and not self.reads_images:
+                    return "this model reads text only; it takes no images", f"messages[{i}].content[{j}]"
+        self.images += [p.image.data for m in value.chat.messages for p in m.content_parts if p.HasField("image")]
+        return None
+
     async def Generate(self, request: engine_pb2.GenerateRequest, context: Any) -> engine_pb2.GenerateResponse:
         await asyncio.sleep(self.delay_s)
         if self.unavailable:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
+        if (refused := self._chat_refusal(request.input)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused[0], (("ladle-param", refused[1]),))
         self.generated += 1
         return _result(request, _input_text(request.input))
 
@@ -83,6 +108,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     ) -> AsyncIterator[engine_pb2.StreamResponse]:
         if self.unavailable and not self.unavailable_after_output:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
+        if (refused := self._chat_refusal(request.input)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused[0], (("ladle-param", refused[1]),))
         text = _input_text(request.input).upper()
         half = len(text) // 2
         # As the engine: usage so far on every message (one "token" a message here), usage on the last.
@@ -206,7 +233,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         if text in self.refuse_once and self.seen[text] == 1:
             response.error.code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
             response.error.message = "queue full"
-        elif kind is not None and (refused := _pooling_refusal(getattr(item, kind), self.invalid)) is not None:
+        elif (refused := _pooling_refusal(getattr(item, kind), self.invalid) if kind is not None
+                else self._chat_refusal(item.request.input)) is not None:
             response.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
             response.error.message, response.error.param = refused
         elif text in self.invalid:
@@ -264,15 +292,18 @@ def _result(request: engine_pb2.GenerateRequest, text: str) -> engine_pb2.Genera
 
 def _input_text(value: types_pb2.Input) -> str:
     if value.WhichOneof("kind") == "chat":
-        return value.chat.messages[-1].content
+        last = value.chat.messages[-1]
+        return "".join(p.text if p.WhichOneof("part") == "text" else f"<image {len(p.image.data)}>"
+                       for p in last.content_parts) or last.content
     return value.text
 
 
 def _tokens(value: types_pb2.Input) -> int:
-    """The fake engine's token count: one per character of text (of every message) or per id."""
+    """The fake engine's token count: one per character of text (of every message), per image or per id."""
     kind = value.WhichOneof("kind")
     if kind == "chat":
-        return sum(len(m.content) for m in value.chat.messages)
+        return sum(len(m.content) + sum(1 if p.HasField("image") else len(p.text) for p in m.content_parts)
+                   for m in value.chat.messages)
     return len(value.token_ids.ids) if kind == "token_ids" else len(value.text)
 
 

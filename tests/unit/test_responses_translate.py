@@ -83,7 +83,8 @@ def test_the_request_fields_map_to_the_engine_request() -> None:
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input[0].content[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+     "input[0].content[0].image_url"),
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
