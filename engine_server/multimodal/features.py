@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from engine_server.core.request import Request
+from engine_server.multimodal.inputs import ImageSpan
 
 
 class ImageEncoder(Protocol):
@@ -25,13 +26,16 @@ class ImageEncoder(Protocol):
 
 
 class ImageFeatures:
-    """Per request, each image's encoder output `[length, hidden]` (`ImageSpan.length` rows), made on first need."""
+    """Each image's encoder output `[length, width]` (`ImageSpan.length` rows), made on first need and shared by the
+    running requests with the same image (by its file's digest: the choices of an `n > 1` request, a conversation's
+    turns in flight together), kept until the last of them is released."""
 
     def __init__(self, encoder: ImageEncoder, device: torch.device, dtype: torch.dtype) -> None:
         self.encoder = encoder
         self.device = device
         self.dtype = dtype
-        self._features: dict[str, list[torch.Tensor | None]] = {}
+        self._features: dict[bytes, torch.Tensor] = {}
+        self._users: dict[bytes, set[str]] = {}  # the requests holding each image's features
 
     def step_rows(
         self, chunks: Sequence[tuple[Request, int, int]]
@@ -47,30 +51,37 @@ class ImageFeatures:
             if images is not None and start < request.num_prompt_tokens:
                 for piece in images.chunk_rows(start, count):
                     rows.extend(range(base + piece.chunk_row, base + piece.chunk_row + piece.count))
-                    embeds.append(self._image(request, piece.image)[piece.first : piece.first + piece.count])
+                    features = self._image(request.request_id, images.images[piece.image])
+                    embeds.append(features[piece.first : piece.first + piece.count])
             base += count
         if not rows:
             return None
         return torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(embeds)
 
-    def _image(self, request: Request, index: int) -> torch.Tensor:
-        assert request.multimodal is not None
-        images = request.multimodal.images
-        cached = self._features.setdefault(request.request_id, [None] * len(images))
-        features = cached[index]
+    def _image(self, request_id: str, span: ImageSpan) -> torch.Tensor:
+        features = self._features.get(span.digest)
         if features is None:
-            span = images[index]
             features = self.encoder.encode(span.pixel_values.to(device=self.device, dtype=self.dtype), span.grid)
             if features.shape[0] != span.length:
                 raise RuntimeError(
                     f"the vision encoder made {features.shape[0]} rows for an image of {span.length} placeholders"
                 )
-            cached[index] = features
+            self._features[span.digest] = features
+        self._users.setdefault(span.digest, set()).add(request_id)
         return features
 
     def release(self, request_id: str) -> None:
-        """Forget a finished or aborted request's images."""
-        self._features.pop(request_id, None)
+        """Forget a finished or aborted request's hold on its images (their features once no request holds them)."""
+        for digest in [digest for digest, users in self._users.items() if request_id in users]:
+            users = self._users[digest]
+            users.discard(request_id)
+            if not users:
+                del self._users[digest], self._features[digest]
+
+    @property
+    def num_images(self) -> int:
+        """Images whose features are kept."""
+        return len(self._features)
 
 
 def step_mrope_positions(chunks: Sequence[tuple[Request, int, int]]) -> torch.Tensor:

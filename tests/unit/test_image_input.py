@@ -348,3 +348,25 @@ def test_a_qwen_vl_checkpoint_answers_image_prompts_as_transformers_does(
         replays = llm.core.runner.decode_graphs.replays if graphs else {}
     assert [result.choices[0].token_ids for result in results] == expected
     assert not graphs or sum(replays.values()) >= NEW_TOKENS - 1
+
+
+def test_an_image_is_encoded_once_for_the_requests_that_share_it_and_forgotten_after(
+    served: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two choices (`n=2`) and a second request with the same image, in flight together: the encoder runs once; once
+    they finish no image's features are kept."""
+    features = served.core.runner.image_features
+    assert features is not None
+    encode = features.encoder.encode
+    calls: list[int] = []
+
+    def counted(pixel_values: torch.Tensor, grid: tuple[int, int, int] | None = None) -> torch.Tensor:
+        calls.append(1)
+        return encode(pixel_values, grid)
+
+    monkeypatch.setattr(features.encoder, "encode", counted)
+    twice = SamplingParams(temperature=0.0, max_tokens=4, n=2, ignore_eos=True)
+    results = served.chat([user("What is this?", png(21)), user("And this?", png(21))], twice, use_tqdm=False)
+    assert [len(result.choices) for result in results] == [2, 2]
+    assert len(calls) == 1
+    assert features.num_images == 0
