@@ -370,3 +370,20 @@ def test_an_image_is_encoded_once_for_the_requests_that_share_it_and_forgotten_a
     assert [len(result.choices) for result in results] == [2, 2]
     assert len(calls) == 1
     assert features.num_images == 0
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl"])
+def test_the_quantized_default_reads_images_batch_invariantly(kind: str, tmp_path: Path) -> None:
+    """On the CPU's default path (int8 text model, the decode stack; the tower in float) image prompts run, and each
+    prompt's tokens alone equal its tokens batched with the others."""
+    if kind == "llava":
+        save_llava(tmp_path)
+    else:
+        save_qwen_vl(tmp_path, kind)
+    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    with engine(tmp_path, quantization="int8") as llm:
+        assert llm.core.runner.quantization == "int8" and llm.core.runner.image_features is not None
+        batched = [result.choices[0].token_ids for result in llm.chat(prompts, GREEDY, use_tqdm=False)]
+        alone = [llm.chat([prompt], GREEDY, use_tqdm=False)[0].choices[0].token_ids for prompt in prompts]
+    assert batched == alone
+    assert all(len(tokens) == NEW_TOKENS for tokens in batched)
