@@ -42,6 +42,7 @@ from engine_server.config import EngineConfig, ModelConfig
 from engine_server.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture, graph_batch_sizes
 from engine_server.host_memory import keep_freed_memory_for_reuse, release_freed_memory
 from engine_server.layers.decode_stack import register_lora
+from engine_server.layers.decoder import DecoderModel
 from engine_server.layers.kernel_choice import select_ops
 from engine_server.layers.packed_linear import pack_linear_layers
 from engine_server.loader import ModelSource, resolve_model
@@ -303,7 +304,8 @@ def load_model(
         max_graph_batch=min(config.scheduler.max_num_seqs, config.max_cuda_graph_batch), tp=tp,
         state_slots=state_slots, state_snapshots=snapshots,
     )  # fmt: skip
-    loaded = replace(loaded, draft=_load_draft(config, loaded), vision=_load_vision(source, device, dtype, tp))
+    vision = _load_vision(source, model, device, dtype, tp)
+    loaded = replace(loaded, draft=_load_draft(config, loaded), vision=vision)
     if config.lora is not None:
         slots = LoraSlots(source.config, config.lora.max_loras, config.lora.max_lora_rank, dtype, device)
         in_stack = isinstance(model, CausalLM) and register_lora(model.model, slots)  # steps with adapters run in it
@@ -318,12 +320,20 @@ def load_model(
 
 
 def _load_vision(
-    source: ModelSource, device: torch.device, dtype: torch.dtype, tp: TensorParallel
+    source: ModelSource, model: StepModel, device: torch.device, dtype: torch.dtype, tp: TensorParallel
 ) -> ImageEncoder | None:
     """The vision encoder of a checkpoint whose images are served (`multimodal.processing.images_refusal`: on one
-    engine, not under tensor parallelism, with its image processor); None otherwise."""
+    engine, not under tensor parallelism, with its image processor); None otherwise. ValueError where its text
+    model's decoder is one that lays no image rows over its embeddings (only the shared `DecoderModel`'s forward
+    does)."""
     if images_refusal(source.config.multimodal, source.path, tp.size):
         return None
+    decoder = getattr(model, "model", None)
+    if decoder is None or type(decoder).forward is not DecoderModel.forward:
+        raise ValueError(
+            f"model {source.name!r}: images are served over the shared decoder's text models only, not over "
+            f"{type(decoder).__name__}; remove its preprocessor_config.json to serve its text model alone"
+        )
     from engine_server.multimodal.llava import LlavaImageEncoder  # (transformers' modules: only for these models)
     from engine_server.multimodal.qwen_vl import QwenVisionEncoder
 

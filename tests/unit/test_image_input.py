@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.vl_checkpoints import QWEN_TEMPLATE
 from engine_server.cuda_graphs import EagerCapture
 from engine_server.errors import ValidationError
 from engine_server.frontend import ChatPrompt
@@ -237,48 +238,19 @@ _QWEN_TEXT = {
     "qwen3_vl_moe": {"mrope_interleaved": True, "num_experts": 4, "num_experts_per_tok": 2,
                      "moe_intermediate_size": 24},
 }  # fmt: skip
-_QWEN_STEMS = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL", "qwen3_vl_moe": "Qwen3VLMoe"}
-QWEN_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for part in m['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}{% elif part['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 _QWEN_PIXELS = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 12}  # 4 to 12 merged patches an image
 
 
 def save_qwen_vl(folder: Path, kind: str) -> Any:
     """A tiny `kind` checkpoint that reads images, saved in `folder` as transformers saves it; returns the model."""
-    import transformers
-    from transformers import AutoTokenizer
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from benchmarks.vl_checkpoints import save_qwen_vl as save
 
-    copy_tokenizer(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    marks = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
-    tokenizer.add_special_tokens({"additional_special_tokens": marks})
-    start, image, end, video = tokenizer.convert_tokens_to_ids(marks)
-    tokenizer.chat_template = QWEN_TEMPLATE
-    tokenizer.save_pretrained(folder)
     extra = dict(_QWEN_TEXT.get(kind, {}))
     rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
     if extra.pop("mrope_interleaved", False):
         rope["mrope_interleaved"] = True
-    text = {**_SHAPE, "vocab_size": video + 8, "head_dim": 16, "rope_parameters": rope, **extra}
-    stem = _QWEN_STEMS[kind]
-    config = getattr(transformers, f"{stem}Config")(
-        text_config=text, vision_config=QWEN_TOWERS[kind], image_token_id=image, video_token_id=video,
-        vision_start_token_id=start, vision_end_token_id=end,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = getattr(transformers, f"{stem}ForConditionalGeneration")(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0.0, 0.3 if "visual" in name or name.endswith("mlp.gate.weight") else 0.08)
-    model.save_pretrained(folder)
-    Qwen2VLImageProcessorPil(**_QWEN_PIXELS).save_pretrained(folder)
-    return model
+    text = {**_SHAPE, "head_dim": 16, "rope_parameters": rope, **extra}
+    return save(folder, kind, text, QWEN_TOWERS[kind], _QWEN_PIXELS)
 
 
 @pytest.fixture(scope="module", params=sorted(QWEN_TOWERS))
@@ -387,3 +359,21 @@ def test_the_quantized_default_reads_images_batch_invariantly(kind: str, tmp_pat
         alone = [llm.chat([prompt], GREEDY, use_tqdm=False)[0].choices[0].token_ids for prompt in prompts]
     assert batched == alone
     assert all(len(tokens) == NEW_TOKENS for tokens in batched)
+
+
+def test_images_over_a_decoder_that_lays_no_image_rows_are_refused_at_load(
+    llava: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint whose images would be served over a text model with a decoder of its own (one that does not lay
+    the image rows over its embeddings) does not start, rather than answer without its images."""
+    from engine_server.layers import decoder
+
+    class OwnForward(decoder.DecoderModel):
+        def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            return super().forward(*args, **kwargs)
+
+    from engine_server.models.llama import LlamaForCausalLM
+
+    monkeypatch.setattr(LlamaForCausalLM, "decoder_class", OwnForward)
+    with pytest.raises(ValueError, match="not over OwnForward"):
+        engine(llava[0])
