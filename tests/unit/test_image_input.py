@@ -377,3 +377,26 @@ def test_images_over_a_decoder_that_lays_no_image_rows_are_refused_at_load(
     monkeypatch.setattr(LlamaForCausalLM, "decoder_class", OwnForward)
     with pytest.raises(ValueError, match="not over OwnForward"):
         engine(llava[0])
+
+
+def test_where_images_are_not_served_the_refusal_says_why(llava: tuple[Path, Any], tmp_path: Path) -> None:
+    """Under tensor parallelism, or without the checkpoint's image processor, a LLaVA checkpoint serves its text model
+    and refuses images, saying why; no vision encoder is loaded for it."""
+    import shutil
+
+    from engine_server.hf_config import model_config_from_hf
+    from engine_server.multimodal.processing import images_refusal, served_images
+
+    folder = llava[0]
+    config = model_config_from_hf(json.loads((folder / "config.json").read_text()))
+    assert served_images(config.multimodal, folder)[0] is not None
+    assert served_images(config.multimodal, folder, 2) == (None, images_refusal(config.multimodal, folder, 2))
+    assert "tensor parallelism" in images_refusal(config.multimodal, folder, 2)
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare)
+    (bare / "preprocessor_config.json").unlink()
+    assert "no image processor" in images_refusal(config.multimodal, bare)
+    with engine(bare) as llm:
+        assert llm.core.runner.image_features is None
+        with pytest.raises(ValidationError, match="no image processor"):
+            llm.chat([user("Hi", png(1))], GREEDY, use_tqdm=False)
