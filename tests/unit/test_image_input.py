@@ -119,9 +119,9 @@ def template_turns(prompt: ChatPrompt) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
-def transformers_greedy(model: Any, inputs: dict[str, torch.Tensor]) -> list[int]:
+def transformers_greedy(model: Any, inputs: dict[str, torch.Tensor], new: int = NEW_TOKENS) -> list[int]:
     with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        out = model.generate(**inputs, max_new_tokens=new, min_new_tokens=new, do_sample=False)
     return [int(t) for t in out[0, inputs["input_ids"].shape[1] :]]
 
 
@@ -400,3 +400,16 @@ def test_where_images_are_not_served_the_refusal_says_why(llava: tuple[Path, Any
         assert llm.core.runner.image_features is None
         with pytest.raises(ValidationError, match="no image processor"):
             llm.chat([user("Hi", png(1))], GREEDY, use_tqdm=False)
+
+
+def test_image_prompts_preempted_and_recomputed_answer_as_transformers_does(qwen_vl: tuple[Path, Any]) -> None:
+    """Eight image prompts in a KV pool of 17 blocks (one 256-token sequence), 16 tokens a step: requests are preempted and recomputed (their
+    images' rows read again, their positions laid out again), and each answer is still transformers'."""
+    folder, model = qwen_vl
+    prompts = [user("Picture", png(30 + i), f"number {i}: what is in it?") for i in range(8)]
+    expected = [transformers_greedy(model, qwen_inputs(folder, prompt), 48) for prompt in prompts]
+    with engine(folder, chunk=16, kv_blocks=17) as llm:
+        results = llm.chat(prompts, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True), use_tqdm=False)
+        assert llm.core.scheduler.total_preemptions > 0
+        assert llm.core.runner.image_features is not None and llm.core.runner.image_features.num_images == 0
+    assert [result.choices[0].token_ids for result in results] == expected
