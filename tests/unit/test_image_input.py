@@ -403,8 +403,9 @@ def test_where_images_are_not_served_the_refusal_says_why(llava: tuple[Path, Any
 
 
 def test_image_prompts_preempted_and_recomputed_answer_as_transformers_does(qwen_vl: tuple[Path, Any]) -> None:
-    """Eight image prompts in a KV pool of 17 blocks (one 256-token sequence), 16 tokens a step: requests are preempted and recomputed (their
-    images' rows read again, their positions laid out again), and each answer is still transformers'."""
+    """Eight image prompts, 48 new tokens each, in a KV pool of 17 blocks (one 256-token sequence), 16 tokens a step:
+    requests are preempted and recomputed (their images' rows read again, their positions laid out again), and each
+    answer is still transformers'."""
     folder, model = qwen_vl
     prompts = [user("Picture", png(30 + i), f"number {i}: what is in it?") for i in range(8)]
     expected = [transformers_greedy(model, qwen_inputs(folder, prompt), 48) for prompt in prompts]
