@@ -56,8 +56,10 @@ class GatewayConfig:
     the blob directory's file system (0: no floor), uploads and new batches are refused with 507 (gateway/disk.py).
 
     Images in chat messages (gateway/media.py): an http(s) image URL is fetched within `image_fetch_timeout_s`
-    (redirects included), only from the hosts in `allowed_media_domains` (exact names; empty: any host, as vLLM's
-    flag of that name), and an image, fetched or a data: URL's, may hold at most `max_image_bytes`.
+    (redirects included), only from the hosts in `allowed_media_domains` (exact names, as vLLM's flag of that
+    name, trusted whatever they resolve to; empty: any host whose addresses are all public, so never loopback, a
+    private network or a metadata endpoint unless listed), and an image, fetched or a data: URL's, may hold at most
+    `max_image_bytes`.
     """
 
     engines: tuple[str, ...]

@@ -63,12 +63,13 @@ def url_kind(source: ImageSource) -> Literal["data", "http"]:
                   f"{shown}", source.param)
 
 
-def check_host(url: str, param: str, allowed_domains: frozenset[str]) -> None:
-    """400 unless the http(s) `url`'s host is one of `allowed_domains` (exact host names, as vLLM's
-    --allowed-media-domains; empty: any host). Checked for the URL given and for every redirect."""
+def check_host(host: str, param: str, allowed_domains: frozenset[str]) -> None:
+    """400 unless an http(s) URL's `host` is one of `allowed_domains` (exact host names, as vLLM's
+    --allowed-media-domains; empty: any host, though `gateway.media` fetches from a host not listed only if its
+    addresses are public). Checked for the URL given and for every redirect."""
     if not allowed_domains:
         return
-    host = (urlsplit(url).hostname or "").lower()
+    host = host.lower()
     if host not in allowed_domains:
         raise invalid(f"images are fetched only from {', '.join(sorted(allowed_domains))}; this URL's host is "
                       f"{host or 'missing'}", param)

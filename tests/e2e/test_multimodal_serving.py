@@ -100,7 +100,7 @@ def qwen_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path
     folder.mkdir()
     model = save_qwen_vl(folder, "qwen2_5_vl")
     engine = start_engine(root / "engine.log", "--model", str(folder), "--quantization", "none", threads=1)
-    gateway = start_gateway(root / "gateway.log", engine.address)
+    gateway = start_gateway(root / "gateway.log", engine.address, "--allowed-media-domains", "127.0.0.1")
     yield folder, model, engine, gateway
     assert gateway.stop() == 0
     assert engine.stop() == 0

@@ -1,7 +1,8 @@
 """Images in chat messages through the gateway: the pure translation (data: URLs into ordered `content_parts`, text-only
 messages unchanged, every malformed image a 400 naming its field), `MediaFetcher` against a real HTTP server on
-loopback (fetches, redirects, timeouts, caps, content types, allowed domains), and the routes and batch lines that
-carry images to the fake engine."""
+loopback, listed as allowed (fetches, redirects, timeouts, caps, content types, allowed domains), the refusal of
+hosts that resolve to non-public addresses (against the real server, and a fake resolver and transport where the
+test must not touch the network), and the routes and batch lines that carry images to the fake engine."""
 
 from __future__ import annotations
 
@@ -9,15 +10,17 @@ import asyncio
 import base64
 import io
 import json
+import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import httpx
 import pytest
 from PIL import Image
 
@@ -27,6 +30,7 @@ from gateway.config import GatewayConfig
 from gateway.engines import EnginePool
 from gateway.errors import APIError
 from gateway.media import MediaFetcher
+from gateway.media_hosts import is_public
 from gateway.schemas.chat import BatchChatCompletionRequest, ChatCompletionRequest
 from gateway.schemas.pooling import EmbeddingRequest
 from gateway.translate import pooling_to_engine, responses_to_engine, to_engine
@@ -225,12 +229,15 @@ def server() -> Iterator[ImageServer]:
     httpd.server_close()
 
 
+LOOPBACK = ("127.0.0.1",)  # the test server's host, listed: a loopback host is refused unless the operator lists it
+
+
 def at(server: ImageServer, path: str, host: str = "127.0.0.1") -> str:
     return f"http://{host}:{server.server_port}{path}"
 
 
-async def fetch(url: str, **settings: Any) -> bytes:
-    media = MediaFetcher(**settings)
+async def fetch(url: str, allowed_domains: Sequence[str] = LOOPBACK, **settings: Any) -> bytes:
+    media = MediaFetcher(allowed_domains=allowed_domains, **settings)
     try:
         found = await media.images([ImageSource(url, "messages[0].content[0].image_url.url")])
     finally:
@@ -252,7 +259,7 @@ async def test_an_http_image_is_fetched_and_a_redirect_followed(server: ImageSer
 
 
 async def test_a_requests_images_are_fetched_at_once_and_each_url_once(server: ImageServer) -> None:
-    media = MediaFetcher()
+    media = MediaFetcher(allowed_domains=LOOPBACK)
     slow = [at(server, f"/slow.png?delay=0.4&n={i}") for i in range(3)]
     sources = [ImageSource(url, f"p{i}") for i, url in enumerate([*slow, slow[0], at(server, "/blue.png")])]
     before = server.hits["/slow.png"]
@@ -299,7 +306,8 @@ async def test_an_unreachable_host_is_a_400(server: ImageServer) -> None:
     port = closed.server_port
     closed.server_close()  # nothing listens there now
     assert "could not be fetched (ConnectError" in (await fetch_refused(f"http://127.0.0.1:{port}/a.png")).message
-    assert "could not be fetched" in (await fetch_refused("https://xn--/a.png")).message  # a host IDNA refuses
+    idna = await fetch_refused("https://xn--/a.png", allowed_domains=())  # a host IDNA refuses
+    assert "could not be fetched" in idna.message
 
 
 async def test_only_the_allowed_domains_are_fetched_from_every_redirect_included(server: ImageServer) -> None:
@@ -310,6 +318,118 @@ async def test_only_the_allowed_domains_are_fetched_from_every_redirect_included
     assert await fetch(at(server, "/red.png", "localhost"), allowed_domains=["LocalHost"]) == RED
     hop = await fetch_refused(at(server, "/elsewhere", "localhost"), allowed_domains=["localhost"])
     assert "host is 127.0.0.1" in hop.message and server.hits["/red.png"] == before + 1
+
+
+# --- hosts that resolve to non-public addresses ---
+
+
+PUBLIC, OTHER_PUBLIC = "93.184.216.34", "2606:4700::1111"
+
+
+class FakeNetwork:
+    """A resolver of made-up names and a transport that records what is sent instead of sending it: the
+    path `/to/<url>` answers a 302 to `<url>`, any other a red PNG."""
+
+    def __init__(self, names: dict[str, list[str]]) -> None:
+        self.names = names
+        self.sent: list[httpx.Request] = []
+        self.transport = httpx.MockTransport(self._answer)
+
+    async def resolve(self, host: str, port: int) -> list[str]:
+        host = host.encode("idna").decode("ascii")  # as socket.getaddrinfo encodes a name it is given (IDNA 2003)
+        if host not in self.names:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return self.names[host]
+
+    def _answer(self, request: httpx.Request) -> httpx.Response:
+        self.sent.append(request)
+        if request.url.path.startswith("/to/"):
+            return httpx.Response(302, headers={"location": request.url.path.removeprefix("/to/")})
+        return httpx.Response(200, headers={"content-type": "image/png"}, content=RED)
+
+    def media(self, allowed_domains: Sequence[str] = ()) -> dict[str, Any]:
+        return {"allowed_domains": allowed_domains, "resolver": self.resolve, "transport": self.transport}
+
+
+@pytest.mark.parametrize(("address", "public"), [
+    ("8.8.8.8", True), (PUBLIC, True), (OTHER_PUBLIC, True), ("::ffff:8.8.8.8", True),
+    ("127.0.0.1", False), ("127.8.9.10", False), ("::1", False), ("0.0.0.0", False), ("::", False),
+    ("10.0.0.1", False), ("172.16.5.4", False), ("192.168.1.1", False), ("100.64.0.1", False),
+    ("169.254.169.254", False), ("fe80::1", False), ("fe80::1%eth0", False), ("fd00:ec2::254", False),
+    ("224.0.0.1", False), ("ff02::1", False), ("240.0.0.1", False), ("255.255.255.255", False),
+    ("192.0.2.1", False), ("2001:db8::1", False), ("::7f00:1", False),
+    ("::ffff:127.0.0.1", False), ("::ffff:169.254.169.254", False), ("2002:7f00:1::", False),
+    ("64:ff9b::a9fe:a9fe", False), ("64:ff9b::808:808", True),
+])
+def test_only_globally_routable_addresses_are_public(address: str, public: bool) -> None:
+    assert is_public(address) is public
+
+
+async def test_a_loopback_host_is_refused_by_default_by_address_and_by_name(server: ImageServer) -> None:
+    before = sum(server.hits.values())
+    for host in ("127.0.0.1", "localhost", "[::ffff:127.0.0.1]"):
+        error = await fetch_refused(at(server, "/red.png", host), allowed_domains=())
+        assert f"host {host.strip('[]')} resolves to a non-public address" in error.message
+        assert "--allowed-media-domains" in error.message
+    assert sum(server.hits.values()) == before  # refused before anything was sent
+    assert await fetch(at(server, "/red.png")) == RED  # listed, the same host is fetched
+    assert await fetch(at(server, "/red.png", "localhost"), allowed_domains=["localhost"]) == RED
+
+
+@pytest.mark.parametrize("url", [
+    "http://169.254.169.254/latest/meta-data/iam/security-credentials/",
+    "https://169.254.169.254/", "http://[::ffff:169.254.169.254]/", "http://[fd00:ec2::254]/",
+    "http://10.0.0.1/a.png", "http://192.168.0.1:8080/a.png", "http://[::1]/a.png", "http://0.0.0.0/a.png",
+    "http://metadata.internal/a.png",  # a name that resolves to the metadata endpoint
+    "http://mixed.example/a.png",  # one public address and one private: the connection could use either
+])
+async def test_a_non_public_host_is_refused_before_anything_is_sent(url: str) -> None:
+    network = FakeNetwork({"metadata.internal": ["169.254.169.254"], "mixed.example": [PUBLIC, "10.1.2.3"]})
+    error = await fetch_refused(url, **network.media())
+    assert "resolves to a non-public address" in error.message and "--allowed-media-domains" in error.message
+    assert network.sent == []
+
+
+async def test_a_redirect_from_a_public_host_to_a_non_public_one_is_refused() -> None:
+    network = FakeNetwork({"redirect.example": [PUBLIC], "internal.example": ["10.0.0.7"], "localhost": ["::1"]})
+    for target in ("http://127.0.0.1:8080/red.png", "http://internal.example/red.png", "/to/http://localhost/"):
+        network.sent.clear()
+        error = await fetch_refused(f"http://redirect.example/to/{target}", **network.media())
+        assert "resolves to a non-public address" in error.message
+        assert [r.headers["host"] for r in network.sent] == ["redirect.example"] * (1 + target.startswith("/"))
+
+
+async def test_a_public_host_is_fetched_over_http_at_the_address_checked() -> None:
+    network = FakeNetwork({"images.example": [OTHER_PUBLIC, PUBLIC], "redirect.example": [PUBLIC]})
+    assert await fetch("http://images.example:8080/a.png?x=1", **network.media()) == RED
+    (sent,) = network.sent
+    assert (str(sent.url), sent.headers["host"]) == (f"http://[{OTHER_PUBLIC}]:8080/a.png?x=1", "images.example:8080")
+    network.sent.clear()  # a relative redirect is joined to the name, not to the address it was sent to
+    assert await fetch("http://redirect.example/to//b.png", **network.media()) == RED
+    assert [(r.url.host, r.url.path, r.headers["host"]) for r in network.sent] == [
+        (PUBLIC, "/to//b.png", "redirect.example"), (PUBLIC, "/b.png", "redirect.example")]
+
+
+async def test_an_https_host_is_checked_but_fetched_by_name() -> None:
+    network = FakeNetwork({"images.example": [PUBLIC]})
+    assert await fetch("https://images.example/a.png", **network.media()) == RED
+    assert [(str(r.url), r.headers["host"]) for r in network.sent] == [("https://images.example/a.png",
+                                                                         "images.example")]
+
+
+async def test_the_name_checked_is_the_one_connected_to() -> None:
+    # IDNA 2003 (the socket module's) reads straße.de as strasse.de; httpx sends xn--strae-oqa.de (IDNA 2008)
+    network = FakeNetwork({"strasse.de": [PUBLIC], "xn--strae-oqa.de": ["10.0.0.7"]})
+    error = await fetch_refused("https://straße.de/a.png", **network.media())
+    assert "host xn--strae-oqa.de resolves to a non-public address" in error.message and network.sent == []
+
+
+async def test_a_listed_host_is_fetched_whatever_it_resolves_to_and_an_unknown_name_is_a_400() -> None:
+    network = FakeNetwork({"images.internal": ["10.0.0.7"]})
+    assert await fetch("http://images.internal/a.png", **network.media(["images.internal"])) == RED
+    assert network.sent[0].url.host == "images.internal"  # fetched by name: the operator vouched for it
+    error = await fetch_refused("http://nowhere.example/a.png", **network.media())
+    assert "host nowhere.example could not be resolved" in error.message
 
 
 # --- the routes ---
@@ -328,7 +448,7 @@ async def test_chat_sends_data_and_fetched_images_in_order(
 ) -> None:
     content = [text_part("a"), image_part(data_url(RED)), text_part("b"), image_part(at(server, "/blue.png"))]
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
-    async with gateway_client(fake[1], tmp_path) as http:
+    async with gateway_client(fake[1], tmp_path, allowed_media_domains=LOOPBACK) as http:
         reply = await http.post("/v1/chat/completions", json=body)
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"] == f"A<IMAGE {len(RED)}>B<IMAGE {len(BLUE)}>"
@@ -355,10 +475,14 @@ async def test_chat_answers_a_failed_image_in_openais_shape_before_calling_the_e
         assert set(error) == {"message", "type", "param", "code"}
         assert error["param"] == "messages[0].content[2].image_url.url" and "host is 127.0.0.1" in error["message"]
         assert fake[0].generated == 0
-    async with gateway_client(fake[1], tmp_path) as http:
+    async with gateway_client(fake[1], tmp_path, allowed_media_domains=LOOPBACK) as http:
         reply = await http.post("/v1/chat/completions", json=body)
         assert reply.json()["error"]["param"] == "messages[0].content[2].image_url.url"
         assert "HTTP 404" in reply.json()["error"]["message"]
+    async with gateway_client(fake[1], tmp_path) as http:  # by default, a loopback host is refused
+        reply = await http.post("/v1/chat/completions", json=body)
+        assert reply.json()["error"]["param"] == "messages[0].content[2].image_url.url"
+        assert "non-public address" in reply.json()["error"]["message"] and fake[0].generated == 0
 
 
 async def test_a_text_models_engine_refusal_of_an_image_reaches_the_caller(tmp_path: Path) -> None:
@@ -382,7 +506,7 @@ async def test_the_batched_chat_route_names_the_conversation_of_a_failed_image(
 
     good = {"model": MODEL, "messages": [conversation(data_url(RED)), conversation(at(server, "/blue.png"))]}
     BatchChatCompletionRequest.model_validate(good)
-    async with gateway_client(fake[1], tmp_path) as http:
+    async with gateway_client(fake[1], tmp_path, allowed_media_domains=LOOPBACK) as http:
         reply = await http.post("/v1/chat/completions/batch", json=good)
         assert reply.status_code == 200, reply.text
         assert [c["message"]["content"] for c in reply.json()["choices"]] == [
@@ -397,7 +521,7 @@ async def test_the_responses_route_takes_input_images(
 ) -> None:
     content = [{"type": "input_text", "text": "what"}, {"type": "input_image", "image_url": data_url(RED)},
                {"type": "input_image", "image_url": at(server, "/blue.png"), "detail": "auto"}]
-    async with gateway_client(fake[1], tmp_path) as http:
+    async with gateway_client(fake[1], tmp_path, allowed_media_domains=LOOPBACK) as http:
         reply = await http.post("/v1/responses", json={"model": MODEL, "input": [{"role": "user", "content": content}]})
         assert reply.status_code == 200, reply.text
         assert reply.json()["output"][0]["content"][0]["text"] == f"WHAT<IMAGE {len(RED)}><IMAGE {len(BLUE)}>"
@@ -485,7 +609,7 @@ async def test_the_line_runner_fetches_each_lines_images_and_errs_the_line_whose
 
     pool = EnginePool(GatewayConfig(engines=(fake[1],), health_interval_s=0.05))
     await pool.start()
-    media = MediaFetcher()
+    media = MediaFetcher(allowed_domains=LOOPBACK)
     results: list[LineResult] = []
     try:
         assert await pool.wait_ready(10)
