@@ -241,7 +241,8 @@ def _gateway_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--image-fetch-timeout", 10.0, "seconds fetching an http(s) image URL of a chat message may take, "
          "redirects included (then HTTP 400)", type=float)
     _add(parser, "--allowed-media-domains", "", "host names image URLs may be fetched from, comma-separated (exact "
-         "names, checked on every redirect; default: any host)")
+         "names, checked on every redirect, trusted whatever they resolve to; default: any host whose addresses are "
+         "all public)")
     _add(parser, "--data-dir", "", "where files' bytes (and the default SQLite database) live "
          "(default: $XDG_DATA_HOME/ladle or ~/.local/share/ladle)")
     _add(parser, "--database-url", "", "SQLAlchemy URL of the files-and-batches database, e.g. "
