@@ -9,7 +9,6 @@ quantized, never in the decode stack).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine_server.parallel.layers import CheckpointTensor, read_whole
+from engine_server.multimodal.checkpoint import load_encoder
+from engine_server.parallel.layers import CheckpointTensor
 
 _PARTS = ("vision_tower.", "multi_modal_projector.")
 
@@ -39,26 +39,9 @@ class LlavaImageEncoder(nn.Module):
     def from_checkpoint(
         cls, folder: Path, weights: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype, device: torch.device
     ) -> LlavaImageEncoder:
-        """The encoder of the LLaVA checkpoint in `folder` (its `config.json`), loaded from `weights` (its tensors:
-        transformers 5's names, `model.vision_tower.`, or the released ones, `vision_tower.`; the text model's are
-        passed over unread). ValueError where a tensor is missing or unexpected."""
-        from transformers import CONFIG_MAPPING
-
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        with torch.device("meta"):
-            encoder = cls(CONFIG_MAPPING["llava"].from_dict(config))
-        state = {}
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if name.startswith(_PARTS):
-                state[name] = read_whole(tensor)
-        missing, unexpected = encoder.load_state_dict(state, strict=False, assign=True)
-        missing = [name for name in missing if not name.endswith("position_ids")]
-        if missing or unexpected:
-            raise ValueError(f"{folder}: the vision encoder's tensors do not match: missing {missing[:4]}, "
-                             f"unexpected {unexpected[:4]}")  # fmt: skip
-        encoder.vision_tower.apply(_fresh_buffers)
-        return encoder.to(device=device, dtype=dtype).eval()
+        """The encoder of the checkpoint in `folder`, loaded from `weights` (transformers 5's names,
+        `model.vision_tower.`, or the released ones, `vision_tower.`; the text model's passed over unread)."""
+        return load_encoder(cls, folder, weights, _PARTS, dtype, device)
 
     def encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None = None) -> torch.Tensor:
         """One image's `[3, H, W]` -> its tokens' embeddings `[tokens, text hidden]` (`ImageEncoder`)."""
@@ -72,11 +55,3 @@ class LlavaImageEncoder(nn.Module):
             states = [state[:, 1:] for state in states]
         projected: torch.Tensor = self.multi_modal_projector(torch.cat(states, dim=-1))
         return projected
-
-
-def _fresh_buffers(module: nn.Module) -> None:
-    """Buffers a tower derives from its config and does not save (CLIP's `position_ids`), made again off the meta
-    device."""
-    for name, buffer in list(module.named_buffers(recurse=False)):
-        if buffer.is_meta and name == "position_ids":
-            module.register_buffer(name, torch.arange(buffer.shape[-1]).expand(buffer.shape), persistent=False)

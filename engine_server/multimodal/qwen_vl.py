@@ -5,15 +5,15 @@ out for still images."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from engine_server.multimodal.checkpoint import load_encoder
 from engine_server.multimodal.inputs import ImageSpan
-from engine_server.parallel.layers import CheckpointTensor, read_whole
+from engine_server.parallel.layers import CheckpointTensor
 
 # The tower's class in transformers, by model type.
 _TOWERS = {
@@ -40,27 +40,9 @@ class QwenVisionEncoder(nn.Module):
         cls, folder: Path, weights: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype, device: torch.device
     ) -> QwenVisionEncoder:
         """The tower of the Qwen-VL checkpoint in `folder`, loaded from `weights` (transformers 5's `model.visual.`
-        or the released `visual.`; the text model's passed over unread). ValueError where a tensor is missing or
-        unexpected."""
-        from transformers import CONFIG_MAPPING
-
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        model_type = config["model_type"]
-        composite = CONFIG_MAPPING[model_type].from_dict(config)
-        from transformers.initialization import no_init_weights
-
-        with no_init_weights():  # (its weights are the checkpoint's; its derived buffers, rope's, made as usual)
-            encoder = cls(model_type, composite)
-        state = {}
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if name.startswith("visual."):
-                state[name] = read_whole(tensor)
-        missing, unexpected = encoder.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{folder}: the vision tower's tensors do not match: missing {missing[:4]}, "
-                             f"unexpected {unexpected[:4]}")  # fmt: skip
-        return encoder.to(device=device, dtype=dtype).eval()
+        or the released `visual.`; the text model's passed over unread)."""
+        return load_encoder(lambda composite: cls(composite.model_type, composite), folder, weights, ("visual.",),
+                            dtype, device)  # fmt: skip
 
     def encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None = None) -> torch.Tensor:
         """One image's patches -> its tokens' embeddings (`ImageEncoder`)."""
