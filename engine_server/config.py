@@ -31,8 +31,9 @@ _O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = (
 @dataclass(frozen=True)
 class ImageInput:
     """How a multimodal checkpoint whose images are served reads them (`engine_server.multimodal`): its vision
-    encoder (`encoder`: "llava", a tower's hidden states through LLaVA's projector; "qwen2_vl" or "qwen2_5_vl", the
-    Qwen-VL towers over a processed image's patches, merged `merge_size` x `merge_size`), and the placeholder token
+    encoder (`encoder`: "llava", a tower's hidden states through LLaVA's projector; "mistral3", Pixtral's through
+    Mistral 3's patch merger; "qwen2_vl", "qwen2_5_vl", "qwen3_vl" or "qwen3_vl_moe", the Qwen-VL towers over a
+    processed image's patches, merged `merge_size` x `merge_size`), and the placeholder token
     its chat template writes once per image (`image_token_id`), expanded to the image's tokens: LLaVA's one per patch
     of `patch_size` squares plus `extra_tokens` (the tower's class token, unless the projector drops it: -1 to 1), the
     Qwen-VL towers' one per merged patch. With `mrope_section` (the Qwen-VL text models' M-RoPE: rotated pairs turned
@@ -49,6 +50,9 @@ class ImageInput:
     # Qwen3-VL's DeepStack: the tower's features of this many of its inner layers, each added to the image tokens'
     # hidden states after one of the text model's first layers (the encoder's rows carry them after the embeddings).
     deepstack_layers: int = 0
+    # Mistral 3's (Pixtral's) rows: each row of merged patches' tokens followed by the first of these tokens, the
+    # last row by the second (`[IMG_BREAK]`, `[IMG_END]`); the image's embeddings go to its patch tokens alone.
+    row_marks: tuple[str, str] | None = None
 
     def tokens_per_image(self, height: int, width: int) -> int:
         """Placeholder tokens of an image processed to `height` x `width` pixels (LLaVA's processor's count)."""

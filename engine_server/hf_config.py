@@ -41,7 +41,12 @@ from engine_server.hf_longcat import LONGCAT_ARCHITECTURES, longcat_config, long
 from engine_server.hf_mamba import MAMBA_ARCHITECTURES, mamba_config, mamba_fields
 from engine_server.hf_minimax import MINIMAX_ARCHITECTURES, minimax_config, minimax_fields
 from engine_server.hf_minimax_m3 import MINIMAX_M3_ARCHITECTURES, minimax_m3_config, minimax_m3_fields
-from engine_server.hf_multimodal import MULTIMODAL_ARCHITECTURES, MULTIMODAL_NOT_SERVED, multimodal_text_config
+from engine_server.hf_multimodal import (
+    MULTIMODAL_ARCHITECTURES,
+    MULTIMODAL_NOT_SERVED,
+    mistral3_checkpoint,
+    multimodal_text_config,
+)
 from engine_server.hf_qwen4_exp import QWEN4_EXP_ARCHITECTURES, qwen4_exp_config, qwen4_exp_fields
 from engine_server.hf_recurrent_gemma import (
     RECURRENT_GEMMA_ARCHITECTURES,
@@ -303,6 +308,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     if model_type in DEEPSEEK_V4_ARCHITECTURES:  # its own attention, streams and routing (`hf_deepseek_v4`)
         return deepseek_v4_model_config(cfg, name, lambda rope: _yarn(cfg, rope))
     _refuse_unbuilt(model_type, cfg)
+    multimodal = mistral3_checkpoint(cfg) if model_type == "mistral3" else None  # (where its images are served)
     kolibri = kolibri1_1_fields(cfg) if model_type == "kolibri1_1" else {}
     if model_type == "kolibri1_1":  # read as Kolibri-1, its indexed layers full ones
         cfg, model_type = kolibri1_1_config(cfg), "kolibri1"
@@ -460,6 +466,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         rope_theta = gemma.pop("rope_theta")
     return ModelConfig(
         architecture=arch,
+        multimodal=multimodal,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
         intermediate_size=_dense_width(arch, cfg),

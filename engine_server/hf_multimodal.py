@@ -99,9 +99,9 @@ def multimodal_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], Multimo
 
 def _image_input(composite: Any) -> ImageInput | None:
     """How a checkpoint whose images are served reads them: LLaVA's (`llava`) over a CLIP or SigLIP tower, whose
-    class token (CLIP's) the "default" feature strategy drops; the Qwen-VL kinds' (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and
-    its MoE), their text model's M-RoPE sections (Qwen3-VL's interleaved) and Qwen3-VL's DeepStack layers. None for
-    every other kind (text prompts alone)."""
+    class token (CLIP's) the "default" feature strategy drops; Mistral 3's over Pixtral; the Qwen-VL kinds' (Qwen2-VL,
+    Qwen2.5-VL, Qwen3-VL and its MoE), their text model's M-RoPE sections (Qwen3-VL's interleaved) and Qwen3-VL's
+    DeepStack layers. None for every other kind (text prompts alone)."""
     if composite.model_type in _QWEN_VL:
         vision = composite.vision_config
         rope = composite.get_text_config(decoder=True).rope_parameters or {}
@@ -111,6 +111,11 @@ def _image_input(composite: Any) -> ImageInput | None:
         return ImageInput(composite.model_type, int(composite.image_token_id), int(vision.patch_size),
                           merge_size=int(vision.spatial_merge_size), mrope_section=section, mrope_interleaved=qwen3,
                           deepstack_layers=deepstack)  # fmt: skip
+    if composite.model_type == "mistral3":
+        if composite.vision_config.model_type != "pixtral":
+            return None
+        return ImageInput("mistral3", int(composite.image_token_id), int(composite.vision_config.patch_size),
+                          merge_size=int(composite.spatial_merge_size), row_marks=("[IMG_BREAK]", "[IMG_END]"))
     if composite.model_type != "llava":
         return None
     vision = composite.vision_config
@@ -119,3 +124,17 @@ def _image_input(composite: Any) -> ImageInput | None:
         return None
     dropped = 1 if composite.vision_feature_select_strategy == "default" else 0
     return ImageInput("llava", int(composite.image_token_id), int(vision.patch_size), class_tokens - dropped)
+
+
+def mistral3_checkpoint(cfg: dict[str, Any]) -> MultimodalCheckpoint | None:
+    """What a multimodal Mistral 3 `config.json` (read as its text model's family by `hf_config`) holds beside its text
+    model where its images are served (a Pixtral tower); None otherwise."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        composite = CONFIG_MAPPING["mistral3"].from_dict(cfg)
+    except (KeyError, TypeError, ValueError):
+        return None  # (its text model is read as before; images are not served)
+    images = _image_input(composite)
+    return None if images is None else MultimodalCheckpoint("mistral3", _TOWERS, images=images)
+

@@ -103,7 +103,9 @@ class LLM:
                 self.tokenizer, source.config.vocab_size, self.eos_token_ids, grammar_config
             )
         )
-        images, refusal = served_images(source.config.multimodal, source.path, self.config.tensor_parallel_size)
+        images, refusal = served_images(
+            source.config.multimodal, source.path, self.config.tensor_parallel_size, self.tokenizer
+        )
         self.inputs = InputProcessor(
             self.tokenizer,
             source.config.vocab_size,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import structlog
 import torch
@@ -334,12 +335,16 @@ def _load_vision(
             f"model {source.name!r}: images are served over the shared decoder's text models only, not over "
             f"{type(decoder).__name__}; remove its preprocessor_config.json to serve its text model alone"
         )
-    from engine_server.multimodal.llava import LlavaImageEncoder  # (transformers' modules: only for these models)
+    from engine_server.multimodal.llava import LlavaImageEncoder, Mistral3ImageEncoder  # (transformers' modules)
     from engine_server.multimodal.qwen_vl import QwenVisionEncoder
 
     assert source.config.multimodal is not None and source.config.multimodal.images is not None
-    encoder = LlavaImageEncoder if source.config.multimodal.images.encoder == "llava" else QwenVisionEncoder
-    return encoder.from_checkpoint(source.path, source.lazy_weights(), dtype, device)
+    kind = source.config.multimodal.images.encoder
+    encoders: dict[str, Any] = {"llava": LlavaImageEncoder, "mistral3": Mistral3ImageEncoder}
+    loaded: ImageEncoder = encoders.get(kind, QwenVisionEncoder).from_checkpoint(
+        source.path, source.lazy_weights(), dtype, device
+    )
+    return loaded
 
 
 def _pair_separator(source: ModelSource) -> int | None:

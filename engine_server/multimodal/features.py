@@ -62,9 +62,9 @@ class ImageFeatures:
         features = self._features.get(span.digest)
         if features is None:
             features = self.encoder.encode(span.pixel_values.to(device=self.device, dtype=self.dtype), span.grid)
-            if features.shape[0] != span.length:
+            if features.shape[0] != span.num_features:
                 raise RuntimeError(
-                    f"the vision encoder made {features.shape[0]} rows for an image of {span.length} placeholders"
+                    f"the vision encoder made {features.shape[0]} rows for an image of {span.num_features} tokens"
                 )
             self._features[span.digest] = features
         self._users.setdefault(span.digest, set()).add(request_id)

@@ -29,16 +29,24 @@ class ImageSpan:
     pixel_values: torch.Tensor
     digest: bytes
     grid: tuple[int, int, int] | None = None
+    # Where its embeddings go: runs (offset in the span, length), in order (Mistral 3's rows, each before a break
+    # token); empty: the whole span, one embedding a token.
+    runs: tuple[tuple[int, int], ...] = ()
 
     @property
     def end(self) -> int:
         return self.offset + self.length
 
+    @property
+    def num_features(self) -> int:
+        """Rows of its encoder output: one per token of its runs."""
+        return sum(length for _, length in self.runs) if self.runs else self.length
+
 
 @dataclass(frozen=True)
 class ChunkImageRows:
-    """The embedding rows one prefill chunk takes from one image: rows `[first, first + count)` of the image's
-    encoder output go to the chunk's rows `[chunk_row, chunk_row + count)`."""
+    """The embedding rows one prefill chunk takes from one image (one run of it): rows `[first, first + count)` of the
+    image's encoder output go to the chunk's rows `[chunk_row, chunk_row + count)`."""
 
     image: int  # index into `MultimodalInputs.images`
     first: int
@@ -72,9 +80,13 @@ class MultimodalInputs:
         end = start + count
         rows = []
         for index, image in enumerate(self.images):
-            first, last = max(start, image.offset), min(end, image.end)
-            if first < last:
-                rows.append(ChunkImageRows(index, first - image.offset, last - first, first - start))
+            feature = 0
+            for run_offset, run_length in image.runs or ((0, image.length),):
+                run = image.offset + run_offset
+                first, last = max(start, run), min(end, run + run_length)
+                if first < last:
+                    rows.append(ChunkImageRows(index, feature + first - run, last - first, first - start))
+                feature += run_length
         return rows
 
 

@@ -55,3 +55,36 @@ class LlavaImageEncoder(nn.Module):
             states = [state[:, 1:] for state in states]
         projected: torch.Tensor = self.multi_modal_projector(torch.cat(states, dim=-1))
         return projected
+
+
+class Mistral3ImageEncoder(nn.Module):
+    """Mistral 3's images (Mistral Small 3.1 / 3.2, Magistral Small): Pixtral's hidden states at the feature layer(s)
+    of one image at its own size, through Mistral 3's projector (its norm, the patch merger's `merge_size` x
+    `merge_size` patches into one, two linears), as transformers' `Mistral3Model` computes them."""
+
+    def __init__(self, composite: Any) -> None:
+        super().__init__()
+        from transformers import AutoModel
+        from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
+
+        self.vision_tower = AutoModel.from_config(composite.vision_config)
+        self.multi_modal_projector = Mistral3MultiModalProjector(composite)
+        self.feature_layers: int | list[int] = composite.vision_feature_layer
+
+    @classmethod
+    def from_checkpoint(
+        cls, folder: Path, weights: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype, device: torch.device
+    ) -> Mistral3ImageEncoder:
+        """The encoder of the checkpoint in `folder`, loaded from `weights` (as `LlavaImageEncoder`'s)."""
+        return load_encoder(cls, folder, weights, _PARTS, dtype, device)
+
+    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """One image's `[3, H, W]` -> its merged patches' embeddings `[(H / s) * (W / s), text hidden]`, s the merged
+        patches' side (`ImageEncoder`)."""
+        sizes = torch.tensor([list(pixel_values.shape[-2:])], device=pixel_values.device)
+        out = self.vision_tower(pixel_values.unsqueeze(0), image_sizes=sizes, output_hidden_states=True,
+                                return_dict=True)  # fmt: skip
+        layers = [self.feature_layers] if isinstance(self.feature_layers, int) else self.feature_layers
+        states = torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)
+        projected: torch.Tensor = self.multi_modal_projector(states.squeeze(0), sizes)
+        return projected

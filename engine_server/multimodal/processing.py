@@ -42,17 +42,33 @@ class ImageProcessing:
     """The images of a model whose images are served (`ModelConfig.multimodal.images`). Thread-safe: it holds no
     state but the processor's configuration."""
 
-    def __init__(self, spec: ImageInput, processor: Any, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+    def __init__(
+        self, spec: ImageInput, processor: Any, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        row_marks: tuple[int, int] | None = None,
+    ) -> None:  # fmt: skip
+        """`row_marks`: the ids of `spec.row_marks` (Mistral 3's row break and image end tokens)."""
+        if spec.row_marks is not None and row_marks is None:
+            raise ValueError(f"{spec.encoder} images need the ids of their row tokens {spec.row_marks}")
         self.spec = spec
         self.processor = processor
         self.max_image_pixels = max_image_pixels
+        self.row_marks = row_marks
 
     @classmethod
-    def for_model(cls, spec: ImageInput, folder: Path) -> ImageProcessing:
-        """The images of the checkpoint in `folder` (its `preprocessor_config.json`, which must be there)."""
+    def for_model(cls, spec: ImageInput, folder: Path, tokenizer: Any = None) -> ImageProcessing:
+        """The images of the checkpoint in `folder` (its `preprocessor_config.json`, which must be there);
+        `tokenizer` gives the ids of the row tokens a layout has (`ImageInput.row_marks`)."""
         from transformers import AutoImageProcessor  # (only for these models)
 
-        return cls(spec, AutoImageProcessor.from_pretrained(str(folder), backend="pil"))
+        marks = None
+        if spec.row_marks is not None:
+            if tokenizer is None:
+                raise ValueError(f"{spec.encoder} images need the tokenizer for their row tokens {spec.row_marks}")
+            ids = [tokenizer.convert_tokens_to_ids(mark) for mark in spec.row_marks]
+            if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids:
+                raise ValueError(f"{folder}: the tokenizer has no {spec.row_marks} tokens for its images' rows")
+            marks = (int(ids[0]), int(ids[1]))
+        return cls(spec, AutoImageProcessor.from_pretrained(str(folder), backend="pil"), row_marks=marks)
 
     def prepare(self, token_ids: Sequence[int], images: Sequence[PromptImage]) -> tuple[list[int], MultimodalInputs]:
         """`token_ids` with each image's placeholder expanded to its tokens, and the images as the encoder takes them.
@@ -69,24 +85,39 @@ class ImageProcessing:
         spans = []
         done = 0
         for place, image in zip(places, images, strict=True):
-            processed = self._processed(image)
-            pixels, grid = processed["pixel_values"], processed.get("image_grid_thw")
-            if grid is None:  # LLaVA's: one image's `[3, H, W]`
-                pixels = pixels[0]
-                length = self.spec.tokens_per_image(int(pixels.shape[-2]), int(pixels.shape[-1]))
-                size = None
-            else:  # the Qwen-VL processors': the image's patches and its (t, h, w) grid of them
-                size = (int(grid[0][0]), int(grid[0][1]), int(grid[0][2]))
-                length = size[0] * size[1] * size[2] // self.spec.merge_size**2
+            tokens, runs, pixels, grid = self._laid_out(self._processed(image))
             out.extend(token_ids[done:place])
-            spans.append(ImageSpan(len(out), length, pixels, image_digest(image.data), size))
-            out.extend([image_token] * length)
+            spans.append(ImageSpan(len(out), len(tokens), pixels, image_digest(image.data), grid, runs))
+            out.extend(tokens)
             done = place + 1
         out.extend(token_ids[done:])
         if not self.spec.mrope_section:
             return out, MultimodalInputs(tuple(spans))
         positions, delta = mrope_positions(len(out), spans, self.spec.merge_size)
         return out, MultimodalInputs(tuple(spans), positions, delta)
+
+    def _laid_out(
+        self, processed: Any
+    ) -> tuple[list[int], tuple[tuple[int, int], ...], Any, tuple[int, int, int] | None]:
+        """An image's tokens, the runs of them its embeddings go to (`ImageSpan.runs`), its pixels and grid, from its
+        processor's output: LLaVA's `[3, H, W]` a token per patch; Mistral 3's a row of merged patches' tokens and a
+        break (the last row an end) after each; the Qwen-VL processors' patches a token per merged patch of their
+        (t, h, w) grid."""
+        image_token, merge = self.spec.image_token_id, self.spec.merge_size
+        pixels, grid = processed["pixel_values"], processed.get("image_grid_thw")
+        if grid is not None:
+            size = (int(grid[0][0]), int(grid[0][1]), int(grid[0][2]))
+            return [image_token] * (size[0] * size[1] * size[2] // merge**2), (), pixels, size
+        pixels = pixels[0]
+        height, width = int(pixels.shape[-2]), int(pixels.shape[-1])
+        if self.row_marks is None:
+            return [image_token] * self.spec.tokens_per_image(height, width), (), pixels, None
+        side = self.spec.patch_size * merge
+        rows, columns = height // side, width // side
+        row_break, end = self.row_marks
+        tokens = [token for _ in range(rows) for token in [*[image_token] * columns, row_break]]
+        tokens[-1] = end
+        return tokens, tuple((row * (columns + 1), columns) for row in range(rows)), pixels, None
 
     def _processed(self, image: PromptImage) -> Any:
         """The processor's output for one image file (its first frame): `pixel_values`, and the Qwen-VL processors'
@@ -110,18 +141,21 @@ class ImageProcessing:
             raise ValidationError(
                 f"the image cannot be read ({error}); send a PNG, JPEG, WebP, GIF or BMP file", image.param
             ) from None
+        if self.row_marks is not None:  # (Pixtral's: sized to whole merged patches, as Mistral 3's processor asks)
+            side = self.spec.patch_size * self.spec.merge_size
+            return self.processor(images=[rgb], return_tensors="pt", patch_size=side)
         return self.processor(images=[rgb], return_tensors="pt")
 
 
 def served_images(
-    multimodal: MultimodalCheckpoint | None, folder: Path, tensor_parallel_size: int = 1
+    multimodal: MultimodalCheckpoint | None, folder: Path, tensor_parallel_size: int = 1, tokenizer: Any = None
 ) -> tuple[ImageProcessing | None, str]:
-    """How the model in `folder` (its `ModelConfig.multimodal`) reads images on an engine of `tensor_parallel_size`
-    ranks, and the refusal of a turn with an image where it reads none (`images_refusal`)."""
+    """How the model in `folder` (its `ModelConfig.multimodal`; its `tokenizer`) reads images on an engine of
+    `tensor_parallel_size` ranks, and the refusal of a turn with an image where it reads none (`images_refusal`)."""
     refusal = images_refusal(multimodal, folder, tensor_parallel_size)
     if refusal or multimodal is None or multimodal.images is None:
         return None, refusal
-    return ImageProcessing.for_model(multimodal.images, folder), ""
+    return ImageProcessing.for_model(multimodal.images, folder, tokenizer), ""
 
 
 def images_refusal(multimodal: MultimodalCheckpoint | None, folder: Path, tensor_parallel_size: int = 1) -> str:

@@ -414,3 +414,87 @@ def test_image_prompts_preempted_and_recomputed_answer_as_transformers_does(qwen
         assert llm.core.scheduler.total_preemptions > 0
         assert llm.core.runner.image_features is not None and llm.core.runner.image_features.num_images == 0
     assert [result.choices[0].token_ids for result in results] == expected
+
+
+# Mistral 3 over a tiny Pixtral tower: images up to 112 pixels a side, in merged patches of 28 (a row of them, then a
+# row break; the last row an image end).
+MISTRAL_TEMPLATE = (
+    "{% for m in messages %}[INST]{% for part in m['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}[IMG]{% endif %}{% endfor %}[/INST]{% endfor %}"
+)
+_PIXTRAL = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "head_dim": 16, "image_size": 112, "patch_size": 14}  # fmt: skip
+_MARKS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+
+
+def save_mistral3(folder: Path) -> Any:
+    """A tiny Mistral 3 checkpoint that reads images, saved in `folder` as transformers saves it; returns the model."""
+    import transformers
+    from transformers import AutoTokenizer
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    copy_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": _MARKS})
+    image, _, end = tokenizer.convert_tokens_to_ids(_MARKS)
+    tokenizer.chat_template = MISTRAL_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    text = {**_SHAPE, "model_type": "mistral", "head_dim": 16, "vocab_size": end + 8}
+    config = transformers.Mistral3Config(text_config=text, vision_config=_PIXTRAL, image_token_id=image,
+                                         spatial_merge_size=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Mistral3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.08 if "language_model" in name or "lm_head" in name else 0.3)
+    model.save_pretrained(folder)
+    PixtralImageProcessorPil(size={"longest_edge": 112}, patch_size=14).save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def mistral3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    folder = tmp_path_factory.mktemp("mistral3")
+    return folder, save_mistral3(folder)
+
+
+def pixtral_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor]:
+    """transformers' inputs for `prompt` as its `PixtralProcessor` lays them out for Mistral 3 (merged patches of 2 x 2:
+    each row's `[IMG]` tokens then `[IMG_BREAK]`, the last row's break an `[IMG_END]`, by the image's processed size;
+    the processor's module itself needs torchvision to import, so its layout is written out here)."""
+    from PIL import Image
+    from transformers import AutoTokenizer
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = tokenizer.apply_chat_template(template_turns(prompt), chat_template=MISTRAL_TEMPLATE, tokenize=False,
+                                         add_generation_prompt=True)  # fmt: skip
+    images = [Image.open(io.BytesIO(part.data)).convert("RGB") for m in prompt.messages for _, part in m.images]
+    if not images:
+        return {"input_ids": tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]}
+    processed = PixtralImageProcessorPil(size={"longest_edge": 112})(images=images, patch_size=28, return_tensors="pt")
+    pieces = text.split("[IMG]")
+    expanded = pieces[0]
+    for (height, width), piece in zip(processed["image_sizes"].tolist(), pieces[1:], strict=True):
+        rows = ["[IMG]" * (width // 28) + "[IMG_BREAK]"] * (height // 28)
+        expanded += "".join(rows).removesuffix("[IMG_BREAK]") + "[IMG_END]" + piece
+    ids = tokenizer(expanded, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return {"input_ids": ids, "pixel_values": processed["pixel_values"], "image_sizes": processed["image_sizes"]}
+
+
+@pytest.mark.parametrize("chunk", [2048, 5])
+def test_a_mistral3_checkpoint_answers_image_prompts_as_transformers_does(
+    chunk: int, mistral3: tuple[Path, Any]
+) -> None:
+    """Mistral 3 (Pixtral's rows of merged patches, each row's tokens then a break, the last an image end): the prompt's
+    ids are transformers' processor's; prompts with one image, two and none, batched, whole and in chunks of 5 (that
+    cut rows and breaks), answer as transformers does."""
+    folder, model = mistral3
+    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    inputs = [pixtral_inputs(folder, prompt) for prompt in prompts]
+    expected = [transformers_greedy(model, each) for each in inputs]
+    with engine(folder, chunk=chunk) as llm:
+        results = llm.chat(prompts, GREEDY, use_tqdm=False)
+    assert [result.prompt_token_ids for result in results] == [each["input_ids"][0].tolist() for each in inputs]
+    assert [result.choices[0].token_ids for result in results] == expected

@@ -2590,14 +2590,16 @@ def test_sarvam_configs_read_as_released_or_as_transformers_writes_them() -> Non
 def test_mistral3_configs_read_their_text_model() -> None:
     """A multimodal Mistral 3 checkpoint's config is its text model's: Mistral Small 3.1's `mistral` (no query
     scale), Ministral 3's `ministral3` (its `llama_4_scaling_beta` over the rope's original context); the top
-    level's word-embedding tie wins; another text family is refused."""
+    level's word-embedding tie wins; another text family is refused. Its images (a Pixtral tower) are Mistral 3's."""
     rope = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 16384,
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
     ministral3 = {**SMALL, "model_type": "ministral3", "rope_parameters": rope, "max_position_embeddings": 262144}
     config = model_config_from_hf({"model_type": "mistral3", "text_config": ministral3, "vision_config": {}})
     assert config.architecture == "llama" and (config.query_scale_beta, config.query_scale_positions) == (0.1, 16384)
     assert config.rope_scaling is not None and config.max_position_embeddings == 262144
-    assert config == model_config_from_hf(ministral3)
+    assert config.multimodal is not None and config.multimodal.images is not None  # (its Pixtral tower's images)
+    assert config.multimodal.images.encoder == "mistral3"
+    assert replace(config, multimodal=None) == model_config_from_hf(ministral3)
     small = {**SMALL, "model_type": "mistral", "tie_word_embeddings": True}
     config = model_config_from_hf({"model_type": "mistral3", "text_config": small, "tie_word_embeddings": False})
     assert config.query_scale_beta == 0.0 and not config.tie_word_embeddings
