@@ -32,13 +32,14 @@ _O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = (
 class ImageInput:
     """How a multimodal checkpoint whose images are served reads them (`engine_server.multimodal`): its vision
     encoder (`encoder`: "llava", a tower's hidden states through LLaVA's projector; "mistral3", Pixtral's through
-    Mistral 3's patch merger; "qwen2_vl", "qwen2_5_vl", "qwen3_vl" or "qwen3_vl_moe", the Qwen-VL towers over a
-    processed image's patches, merged `merge_size` x `merge_size`), and the placeholder token
-    its chat template writes once per image (`image_token_id`), expanded to the image's tokens: LLaVA's one per patch
-    of `patch_size` squares plus `extra_tokens` (the tower's class token, unless the projector drops it: -1 to 1), the
-    Qwen-VL towers' one per merged patch. With `mrope_section` (the Qwen-VL text models' M-RoPE: rotated pairs turned
-    by the temporal, height and width position) an image's tokens take 3-D positions and the text after them goes on
-    from the largest (`multimodal.inputs.MultimodalInputs.positions`)."""
+    Mistral 3's patch merger; "internvl", InternViT's pixel-shuffled through InternVL's projector, a tile at a time;
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl" or "qwen3_vl_moe", the Qwen-VL towers over a processed image's patches,
+    merged `merge_size` x `merge_size`), and the placeholder token its chat template writes once per image
+    (`image_token_id`), expanded to the image's tokens: LLaVA's one per patch of `patch_size` squares plus
+    `extra_tokens` (the tower's class token, unless the projector drops it: -1 to 1; InternVL's `extra_tokens` a
+    tile), the Qwen-VL towers' one per merged patch. With `mrope_section` (the Qwen-VL text models' M-RoPE: rotated
+    pairs turned by the temporal, height and width position) an image's tokens take 3-D positions and the text after
+    them goes on from the largest (`multimodal.inputs.MultimodalInputs.positions`)."""
 
     encoder: str
     image_token_id: int
@@ -53,6 +54,10 @@ class ImageInput:
     # Mistral 3's (Pixtral's) rows: each row of merged patches' tokens followed by the first of these tokens, the
     # last row by the second (`[IMG_BREAK]`, `[IMG_END]`); the image's embeddings go to its patch tokens alone.
     row_marks: tuple[str, str] | None = None
+    # InternVL's: the image's tokens between these two (`<img>`, `</img>`), in tiles (`tiles`: the processor crops the
+    # image into tiles and a thumbnail, `extra_tokens` tokens each).
+    image_marks: tuple[str, str] | None = None
+    tiles: bool = False
 
     def tokens_per_image(self, height: int, width: int) -> int:
         """Placeholder tokens of an image processed to `height` x `width` pixels (LLaVA's processor's count)."""

@@ -99,9 +99,9 @@ def multimodal_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], Multimo
 
 def _image_input(composite: Any) -> ImageInput | None:
     """How a checkpoint whose images are served reads them: LLaVA's (`llava`) over a CLIP or SigLIP tower, whose
-    class token (CLIP's) the "default" feature strategy drops; Mistral 3's over Pixtral; the Qwen-VL kinds' (Qwen2-VL,
-    Qwen2.5-VL, Qwen3-VL and its MoE), their text model's M-RoPE sections (Qwen3-VL's interleaved) and Qwen3-VL's
-    DeepStack layers. None for every other kind (text prompts alone)."""
+    class token (CLIP's) the "default" feature strategy drops; Mistral 3's over Pixtral; InternVL's tiles; the Qwen-VL
+    kinds' (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE), their text model's M-RoPE sections (Qwen3-VL's interleaved)
+    and Qwen3-VL's DeepStack layers. None for every other kind (text prompts alone)."""
     if composite.model_type in _QWEN_VL:
         vision = composite.vision_config
         rope = composite.get_text_config(decoder=True).rope_parameters or {}
@@ -116,6 +116,11 @@ def _image_input(composite: Any) -> ImageInput | None:
             return None
         return ImageInput("mistral3", int(composite.image_token_id), int(composite.vision_config.patch_size),
                           merge_size=int(composite.spatial_merge_size), row_marks=("[IMG_BREAK]", "[IMG_END]"))
+    if composite.model_type == "internvl":
+        patch = composite.vision_config.patch_size
+        side = int(patch[0] if isinstance(patch, list | tuple) else patch)
+        return ImageInput("internvl", int(composite.image_token_id), side, extra_tokens=int(composite.image_seq_length),
+                          image_marks=("<img>", "</img>"), tiles=True)  # fmt: skip
     if composite.model_type != "llava":
         return None
     vision = composite.vision_config

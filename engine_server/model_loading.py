@@ -335,12 +335,18 @@ def _load_vision(
             f"model {source.name!r}: images are served over the shared decoder's text models only, not over "
             f"{type(decoder).__name__}; remove its preprocessor_config.json to serve its text model alone"
         )
-    from engine_server.multimodal.llava import LlavaImageEncoder, Mistral3ImageEncoder  # (transformers' modules)
+    from engine_server.multimodal.llava import (  # (transformers' modules: only for these models)
+        InternVLImageEncoder,
+        LlavaImageEncoder,
+        Mistral3ImageEncoder,
+    )
     from engine_server.multimodal.qwen_vl import QwenVisionEncoder
 
     assert source.config.multimodal is not None and source.config.multimodal.images is not None
     kind = source.config.multimodal.images.encoder
-    encoders: dict[str, Any] = {"llava": LlavaImageEncoder, "mistral3": Mistral3ImageEncoder}
+    encoders: dict[str, Any] = {
+        "llava": LlavaImageEncoder, "mistral3": Mistral3ImageEncoder, "internvl": InternVLImageEncoder,
+    }  # fmt: skip
     loaded: ImageEncoder = encoders.get(kind, QwenVisionEncoder).from_checkpoint(
         source.path, source.lazy_weights(), dtype, device
     )

@@ -88,3 +88,42 @@ class Mistral3ImageEncoder(nn.Module):
         states = torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)
         projected: torch.Tensor = self.multi_modal_projector(states.squeeze(0), sizes)
         return projected
+
+
+class InternVLImageEncoder(nn.Module):
+    """InternVL's images (InternVL 3 / 3.5 as transformers' `-hf` checkpoints): each tile through InternViT, its hidden
+    states at the feature layer (without the class token under the "default" strategy) pixel-shuffled by
+    `downsample_ratio` and through InternVL's projector, as transformers' `InternVLModel` computes them."""
+
+    def __init__(self, composite: Any) -> None:
+        super().__init__()
+        from transformers import AutoModel
+        from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector
+
+        self.vision_tower = AutoModel.from_config(composite.vision_config)
+        self.multi_modal_projector = InternVLMultiModalProjector(composite)
+        self.feature_layer: int = composite.vision_feature_layer
+        self.drops_class_token = composite.vision_feature_select_strategy == "default"
+        self.downsample_ratio = float(composite.downsample_ratio)
+
+    @classmethod
+    def from_checkpoint(
+        cls, folder: Path, weights: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype, device: torch.device
+    ) -> InternVLImageEncoder:
+        """The encoder of the checkpoint in `folder`, loaded from `weights` (as `LlavaImageEncoder`'s)."""
+        return load_encoder(cls, folder, weights, _PARTS, dtype, device)
+
+    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """One image's tiles `[n, 3, H, W]` -> their tokens' embeddings `[n * tokens a tile, text hidden]`."""
+        from transformers.models.internvl.modeling_internvl import InternVLModel
+
+        out = self.vision_tower(pixel_values=pixel_values, output_hidden_states=True, return_dict=True)
+        states = out.last_hidden_state if self.feature_layer == -1 else out.hidden_states[self.feature_layer]
+        if self.drops_class_token:
+            states = states[:, 1:, :]
+        side = int(states.shape[1] ** 0.5)
+        grid_states = states.reshape(states.shape[0], side, side, -1)
+        shuffle: Any = InternVLModel.pixel_shuffle  # (it reads nothing of its model)
+        shuffled = shuffle(self, grid_states, scale_factor=self.downsample_ratio)
+        projected: torch.Tensor = self.multi_modal_projector(shuffled.reshape(states.shape[0], -1, shuffled.shape[-1]))
+        return projected.reshape(-1, projected.shape[-1])

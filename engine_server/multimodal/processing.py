@@ -44,15 +44,17 @@ class ImageProcessing:
 
     def __init__(
         self, spec: ImageInput, processor: Any, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-        row_marks: tuple[int, int] | None = None,
+        row_marks: tuple[int, int] | None = None, image_marks: tuple[int, int] | None = None,
     ) -> None:  # fmt: skip
-        """`row_marks`: the ids of `spec.row_marks` (Mistral 3's row break and image end tokens)."""
-        if spec.row_marks is not None and row_marks is None:
-            raise ValueError(f"{spec.encoder} images need the ids of their row tokens {spec.row_marks}")
+        """`row_marks`, `image_marks`: the ids of `spec.row_marks` (Mistral 3's row break and image end tokens) and of
+        `spec.image_marks` (InternVL's image start and end tokens)."""
+        if (spec.row_marks is None) != (row_marks is None) or (spec.image_marks is None) != (image_marks is None):
+            raise ValueError(f"{spec.encoder} images need the ids of their tokens {spec.row_marks or spec.image_marks}")
         self.spec = spec
         self.processor = processor
         self.max_image_pixels = max_image_pixels
         self.row_marks = row_marks
+        self.image_marks = image_marks
 
     @classmethod
     def for_model(cls, spec: ImageInput, folder: Path, tokenizer: Any = None) -> ImageProcessing:
@@ -60,15 +62,9 @@ class ImageProcessing:
         `tokenizer` gives the ids of the row tokens a layout has (`ImageInput.row_marks`)."""
         from transformers import AutoImageProcessor  # (only for these models)
 
-        marks = None
-        if spec.row_marks is not None:
-            if tokenizer is None:
-                raise ValueError(f"{spec.encoder} images need the tokenizer for their row tokens {spec.row_marks}")
-            ids = [tokenizer.convert_tokens_to_ids(mark) for mark in spec.row_marks]
-            if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids:
-                raise ValueError(f"{folder}: the tokenizer has no {spec.row_marks} tokens for its images' rows")
-            marks = (int(ids[0]), int(ids[1]))
-        return cls(spec, AutoImageProcessor.from_pretrained(str(folder), backend="pil"), row_marks=marks)
+        processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
+        rows, image = _mark_ids(spec.row_marks, tokenizer, folder), _mark_ids(spec.image_marks, tokenizer, folder)
+        return cls(spec, processor, row_marks=rows, image_marks=image)
 
     def prepare(self, token_ids: Sequence[int], images: Sequence[PromptImage]) -> tuple[list[int], MultimodalInputs]:
         """`token_ids` with each image's placeholder expanded to its tokens, and the images as the encoder takes them.
@@ -101,13 +97,17 @@ class ImageProcessing:
     ) -> tuple[list[int], tuple[tuple[int, int], ...], Any, tuple[int, int, int] | None]:
         """An image's tokens, the runs of them its embeddings go to (`ImageSpan.runs`), its pixels and grid, from its
         processor's output: LLaVA's `[3, H, W]` a token per patch; Mistral 3's a row of merged patches' tokens and a
-        break (the last row an end) after each; the Qwen-VL processors' patches a token per merged patch of their
-        (t, h, w) grid."""
+        break (the last row an end) after each; InternVL's tiles `[n, 3, H, W]` their tokens between a start and an
+        end token; the Qwen-VL processors' patches a token per merged patch of their (t, h, w) grid."""
         image_token, merge = self.spec.image_token_id, self.spec.merge_size
         pixels, grid = processed["pixel_values"], processed.get("image_grid_thw")
         if grid is not None:
             size = (int(grid[0][0]), int(grid[0][1]), int(grid[0][2]))
             return [image_token] * (size[0] * size[1] * size[2] // merge**2), (), pixels, size
+        if self.image_marks is not None:  # InternVL's: its tiles' tokens between its start and end tokens
+            count = self.spec.extra_tokens * int(pixels.shape[0])
+            start, end = self.image_marks
+            return [start, *[image_token] * count, end], ((1, count),), pixels, None
         pixels = pixels[0]
         height, width = int(pixels.shape[-2]), int(pixels.shape[-1])
         if self.row_marks is None:
@@ -141,10 +141,24 @@ class ImageProcessing:
             raise ValidationError(
                 f"the image cannot be read ({error}); send a PNG, JPEG, WebP, GIF or BMP file", image.param
             ) from None
+        if self.spec.tiles:  # (InternVL's: tiles and a thumbnail, as its processor asks)
+            return self.processor(images=[rgb], return_tensors="pt", crop_to_patches=True)
         if self.row_marks is not None:  # (Pixtral's: sized to whole merged patches, as Mistral 3's processor asks)
             side = self.spec.patch_size * self.spec.merge_size
             return self.processor(images=[rgb], return_tensors="pt", patch_size=side)
         return self.processor(images=[rgb], return_tensors="pt")
+
+
+def _mark_ids(marks: tuple[str, str] | None, tokenizer: Any, folder: Path) -> tuple[int, int] | None:
+    """The ids of an image layout's two marking tokens (None without); ValueError where the tokenizer lacks them."""
+    if marks is None:
+        return None
+    if tokenizer is None:
+        raise ValueError(f"images with the tokens {marks} need the tokenizer for their ids")
+    ids = [tokenizer.convert_tokens_to_ids(mark) for mark in marks]
+    if any(not isinstance(i, int) or i == tokenizer.unk_token_id for i in ids):
+        raise ValueError(f"{folder}: the tokenizer has no {marks} tokens for its images")
+    return int(ids[0]), int(ids[1])
 
 
 def served_images(

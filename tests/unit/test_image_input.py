@@ -498,3 +498,80 @@ def test_a_mistral3_checkpoint_answers_image_prompts_as_transformers_does(
         results = llm.chat(prompts, GREEDY, use_tqdm=False)
     assert [result.prompt_token_ids for result in results] == [each["input_ids"][0].tolist() for each in inputs]
     assert [result.choices[0].token_ids for result in results] == expected
+
+
+# InternVL over a tiny InternViT: tiles of 56 pixels (4 x 4 patches of 14, pixel-shuffled into 2 x 2: 4 tokens a
+# tile), up to 4 tiles and a thumbnail an image.
+INTERNVL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for part in m['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% elif part['type'] == 'image' %}<IMG_CONTEXT>\n{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_INTERNVIT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "image_size": [56, 56], "patch_size": [14, 14]}  # fmt: skip
+_INTERNVL_TILES = {"size": {"height": 56, "width": 56}, "max_patches": 4}
+
+
+def save_internvl(folder: Path) -> Any:
+    """A tiny InternVL checkpoint that reads images, saved in `folder` as transformers saves it; returns the model."""
+    import transformers
+    from transformers import AutoTokenizer
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    copy_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<img>", "</img>", "<IMG_CONTEXT>"]})
+    context = tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>")
+    tokenizer.chat_template = INTERNVL_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    text = {**_SHAPE, "model_type": "qwen2", "head_dim": 16, "vocab_size": context + 8}
+    config = transformers.InternVLConfig(text_config=text, vision_config=_INTERNVIT, image_token_id=context,
+                                         image_seq_length=4)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.InternVLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.08 if "language_model" in name or "lm_head" in name else 0.3)
+    model.save_pretrained(folder)
+    GotOcr2ImageProcessorPil(**_INTERNVL_TILES).save_pretrained(folder)
+    return model
+
+
+def internvl_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor]:
+    """transformers' inputs for `prompt` as its `InternVLProcessor` lays them out (each `<IMG_CONTEXT>` the template
+    writes becomes `<img>`, 4 tokens a tile, `</img>`, its tiles cropped as the processor asks; the processor itself
+    needs torchvision for its video processor, so its layout is written out here)."""
+    from PIL import Image
+    from transformers import AutoTokenizer
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = tokenizer.apply_chat_template(template_turns(prompt), chat_template=INTERNVL_TEMPLATE, tokenize=False,
+                                         add_generation_prompt=True)  # fmt: skip
+    images = [Image.open(io.BytesIO(part.data)).convert("RGB") for m in prompt.messages for _, part in m.images]
+    if not images:
+        return {"input_ids": tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]}
+    processed = GotOcr2ImageProcessorPil(**_INTERNVL_TILES)(images=images, crop_to_patches=True, return_tensors="pt")
+    pieces = text.split("<IMG_CONTEXT>")
+    expanded = pieces[0]
+    for tiles, piece in zip(processed["num_patches"].tolist(), pieces[1:], strict=True):
+        expanded += "<img>" + "<IMG_CONTEXT>" * (4 * tiles) + "</img>" + piece
+    ids = tokenizer(expanded, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return {"input_ids": ids, "pixel_values": processed["pixel_values"]}
+
+
+def test_an_internvl_checkpoint_answers_image_prompts_as_transformers_does(tmp_path: Path) -> None:
+    """InternVL (an image in tiles and a thumbnail, their tokens between `<img>` and `</img>`): the prompt's ids are
+    its processor's layout; prompts with one image, two and none, batched, whole and in chunks of 5, answer as
+    transformers does."""
+    model = save_internvl(tmp_path)
+    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    inputs = [internvl_inputs(tmp_path, prompt) for prompt in prompts]
+    assert any(each.get("pixel_values", torch.zeros(1)).shape[0] > 2 for each in inputs)  # (images of several tiles)
+    expected = [transformers_greedy(model, each) for each in inputs]
+    for chunk in (2048, 5):
+        with engine(tmp_path, chunk=chunk) as llm:
+            results = llm.chat(prompts, GREEDY, use_tqdm=False)
+        assert [result.prompt_token_ids for result in results] == [each["input_ids"][0].tolist() for each in inputs]
+        assert [result.choices[0].token_ids for result in results] == expected
