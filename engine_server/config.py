@@ -33,6 +33,7 @@ class ImageInput:
     """How a multimodal checkpoint whose images are served reads them (`engine_server.multimodal`): its vision
     encoder (`encoder`: "llava", a tower's hidden states through LLaVA's projector; "mistral3", Pixtral's through
     Mistral 3's patch merger; "internvl", InternViT's pixel-shuffled through InternVL's projector, a tile at a time;
+    "idefics3" or "smolvlm", SigLIP's through the pixel-shuffle connector, a tile at a time;
     "qwen2_vl", "qwen2_5_vl", "qwen3_vl" or "qwen3_vl_moe", the Qwen-VL towers over a processed image's patches,
     merged `merge_size` x `merge_size`), and the placeholder token its chat template writes once per image
     (`image_token_id`), expanded to the image's tokens: LLaVA's one per patch of `patch_size` squares plus
@@ -58,6 +59,9 @@ class ImageInput:
     # image into tiles and a thumbnail, `extra_tokens` tokens each).
     image_marks: tuple[str, str] | None = None
     tiles: bool = False
+    # Idefics 3's and SmolVLM's: the image split into rows x columns of tiles and a global view, its prompt text the
+    # processor's (`<fake_token_around_image><row_1_col_1><image>...`), `extra_tokens` image tokens a tile.
+    split_rows: bool = False
 
     def tokens_per_image(self, height: int, width: int) -> int:
         """Placeholder tokens of an image processed to `height` x `width` pixels (LLaVA's processor's count)."""

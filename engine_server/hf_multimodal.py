@@ -99,9 +99,10 @@ def multimodal_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], Multimo
 
 def _image_input(composite: Any) -> ImageInput | None:
     """How a checkpoint whose images are served reads them: LLaVA's (`llava`) over a CLIP or SigLIP tower, whose
-    class token (CLIP's) the "default" feature strategy drops; Mistral 3's over Pixtral; InternVL's tiles; the Qwen-VL
-    kinds' (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE), their text model's M-RoPE sections (Qwen3-VL's interleaved)
-    and Qwen3-VL's DeepStack layers. None for every other kind (text prompts alone)."""
+    class token (CLIP's) the "default" feature strategy drops; Mistral 3's over Pixtral; InternVL's, Idefics 3's and
+    SmolVLM's tiles; the Qwen-VL kinds' (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE), their text model's M-RoPE
+    sections (Qwen3-VL's interleaved) and Qwen3-VL's DeepStack layers. None for every other kind (text prompts
+    alone)."""
     if composite.model_type in _QWEN_VL:
         vision = composite.vision_config
         rope = composite.get_text_config(decoder=True).rope_parameters or {}
@@ -121,6 +122,11 @@ def _image_input(composite: Any) -> ImageInput | None:
         side = int(patch[0] if isinstance(patch, list | tuple) else patch)
         return ImageInput("internvl", int(composite.image_token_id), side, extra_tokens=int(composite.image_seq_length),
                           image_marks=("<img>", "</img>"), tiles=True)  # fmt: skip
+    if composite.model_type in ("idefics3", "smolvlm"):
+        vision = composite.vision_config
+        per_tile = (int(vision.image_size) // int(vision.patch_size)) ** 2 // int(composite.scale_factor) ** 2
+        return ImageInput(composite.model_type, int(composite.image_token_id), int(vision.patch_size),
+                          extra_tokens=per_tile, split_rows=True)  # fmt: skip
     if composite.model_type != "llava":
         return None
     vision = composite.vision_config

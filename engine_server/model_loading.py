@@ -339,6 +339,7 @@ def _load_vision(
         InternVLImageEncoder,
         LlavaImageEncoder,
         Mistral3ImageEncoder,
+        TiledSiglipEncoder,
     )
     from engine_server.multimodal.qwen_vl import QwenVisionEncoder
 
@@ -346,6 +347,7 @@ def _load_vision(
     kind = source.config.multimodal.images.encoder
     encoders: dict[str, Any] = {
         "llava": LlavaImageEncoder, "mistral3": Mistral3ImageEncoder, "internvl": InternVLImageEncoder,
+        "idefics3": TiledSiglipEncoder, "smolvlm": TiledSiglipEncoder,
     }  # fmt: skip
     loaded: ImageEncoder = encoders.get(kind, QwenVisionEncoder).from_checkpoint(
         source.path, source.lazy_weights(), dtype, device

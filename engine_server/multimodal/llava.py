@@ -127,3 +127,37 @@ class InternVLImageEncoder(nn.Module):
         shuffled = shuffle(self, grid_states, scale_factor=self.downsample_ratio)
         projected: torch.Tensor = self.multi_modal_projector(shuffled.reshape(states.shape[0], -1, shuffled.shape[-1]))
         return projected.reshape(-1, projected.shape[-1])
+
+
+class TiledSiglipEncoder(nn.Module):
+    """Idefics 3's and SmolVLM's images: each tile (the rows x columns of the split image, then its global view)
+    through their SigLIP tower and the pixel-shuffle connector (`scale_factor`), as transformers' models compute them:
+    `[tiles, 3, H, W]` -> `[tiles * tokens a tile, text hidden]`, in the tiles' order."""
+
+    def __init__(self, composite: Any) -> None:
+        super().__init__()
+        import importlib
+
+        kind = composite.model_type
+        module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+        stem = {"idefics3": "Idefics3", "smolvlm": "SmolVLM"}[kind]
+        self.vision_model = getattr(module, f"{stem}VisionTransformer")._from_config(composite.vision_config)
+        self.connector = getattr(module, f"{stem}Connector")(composite)
+        self.patch_size = int(composite.vision_config.patch_size)
+
+    @classmethod
+    def from_checkpoint(
+        cls, folder: Path, weights: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype, device: torch.device
+    ) -> TiledSiglipEncoder:
+        """The encoder of the checkpoint in `folder`, loaded from `weights` (`model.vision_model.`,
+        `model.connector.`)."""
+        return load_encoder(cls, folder, weights, ("vision_model.", "connector."), dtype, device)
+
+    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """One image's tiles `[n, 3, H, W]` (whole: no padding within one image) -> their tokens' embeddings."""
+        tiles, _, height, width = pixel_values.shape
+        patches = torch.ones(tiles, height // self.patch_size, width // self.patch_size, dtype=torch.bool,
+                             device=pixel_values.device)  # fmt: skip
+        states = self.vision_model(pixel_values=pixel_values, patch_attention_mask=patches).last_hidden_state
+        features: torch.Tensor = self.connector(states)
+        return features.reshape(-1, features.shape[-1])

@@ -55,6 +55,7 @@ class ImageProcessing:
         self.max_image_pixels = max_image_pixels
         self.row_marks = row_marks
         self.image_marks = image_marks
+        self.tokenizer: Any = None  # (Idefics 3's and SmolVLM's layouts are text the tokenizer reads: `for_model`)
 
     @classmethod
     def for_model(cls, spec: ImageInput, folder: Path, tokenizer: Any = None) -> ImageProcessing:
@@ -64,7 +65,12 @@ class ImageProcessing:
 
         processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
         rows, image = _mark_ids(spec.row_marks, tokenizer, folder), _mark_ids(spec.image_marks, tokenizer, folder)
-        return cls(spec, processor, row_marks=rows, image_marks=image)
+        processing = cls(spec, processor, row_marks=rows, image_marks=image)
+        if spec.split_rows:
+            if tokenizer is None:
+                raise ValueError(f"{spec.encoder} images need the tokenizer for their prompt text")
+            processing.tokenizer = tokenizer
+        return processing
 
     def prepare(self, token_ids: Sequence[int], images: Sequence[PromptImage]) -> tuple[list[int], MultimodalInputs]:
         """`token_ids` with each image's placeholder expanded to its tokens, and the images as the encoder takes them.
@@ -104,6 +110,8 @@ class ImageProcessing:
         if grid is not None:
             size = (int(grid[0][0]), int(grid[0][1]), int(grid[0][2]))
             return [image_token] * (size[0] * size[1] * size[2] // merge**2), (), pixels, size
+        if self.spec.split_rows:  # Idefics 3's and SmolVLM's: the processor's text for its rows of tiles
+            return self._split_rows(processed)
         if self.image_marks is not None:  # InternVL's: its tiles' tokens between its start and end tokens
             count = self.spec.extra_tokens * int(pixels.shape[0])
             start, end = self.image_marks
@@ -118,6 +126,31 @@ class ImageProcessing:
         tokens = [token for _ in range(rows) for token in [*[image_token] * columns, row_break]]
         tokens[-1] = end
         return tokens, tuple((row * (columns + 1), columns) for row in range(rows)), pixels, None
+
+    def _split_rows(
+        self, processed: Any
+    ) -> tuple[list[int], tuple[tuple[int, int], ...], Any, tuple[int, int, int] | None]:
+        """Idefics 3's and SmolVLM's layout of an image split into rows x columns of tiles and a global view: the text
+        their processors write (transformers' own `get_image_prompt_string`: each tile's row and column token and its
+        image tokens, a line a row, the global view's last), read by the tokenizer alone (it starts and ends with a
+        special token, so it reads as it would in the prompt); the image tokens' runs, one a tile."""
+        from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+        tokenizer, image_token = self.tokenizer, self.spec.image_token_id
+        text = get_image_prompt_string(
+            int(processed["rows"][0][0]), int(processed["cols"][0][0]), self.spec.extra_tokens,
+            getattr(tokenizer, "fake_image_token", "<fake_token_around_image>"),
+            getattr(tokenizer, "image_token", "<image>"), getattr(tokenizer, "global_image_token", "<global-img>"),
+        )  # fmt: skip
+        tokens = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+        runs, start = [], None
+        for index, token in enumerate([*tokens, -1]):
+            if token == image_token and start is None:
+                start = index
+            elif token != image_token and start is not None:
+                runs.append((start, index - start))
+                start = None
+        return tokens, tuple(runs), processed["pixel_values"][0], None
 
     def _processed(self, image: PromptImage) -> Any:
         """The processor's output for one image file (its first frame): `pixel_values`, and the Qwen-VL processors'
@@ -141,6 +174,8 @@ class ImageProcessing:
             raise ValidationError(
                 f"the image cannot be read ({error}); send a PNG, JPEG, WebP, GIF or BMP file", image.param
             ) from None
+        if self.spec.split_rows:  # (Idefics 3's and SmolVLM's: with its rows and columns of tiles)
+            return self.processor(images=[[rgb]], return_tensors="pt", return_row_col_info=True)
         if self.spec.tiles:  # (InternVL's: tiles and a thumbnail, as its processor asks)
             return self.processor(images=[rgb], return_tensors="pt", crop_to_patches=True)
         if self.row_marks is not None:  # (Pixtral's: sized to whole merged patches, as Mistral 3's processor asks)

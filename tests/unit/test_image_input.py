@@ -575,3 +575,88 @@ def test_an_internvl_checkpoint_answers_image_prompts_as_transformers_does(tmp_p
             results = llm.chat(prompts, GREEDY, use_tqdm=False)
         assert [result.prompt_token_ids for result in results] == [each["input_ids"][0].tolist() for each in inputs]
         assert [result.choices[0].token_ids for result in results] == expected
+
+
+# Idefics 3 and SmolVLM over a tiny SigLIP: an image up to 112 pixels a side split into tiles of 56 (4 x 4 patches of
+# 14, pixel-shuffled by 2 into 4 tokens a tile) and a global view.
+_SPLIT_MARKS = ["<fake_token_around_image>", "<image>", "<global-img>",
+                *(f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5))]  # fmt: skip
+_TILED_SIGLIP = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                 "image_size": 56, "patch_size": 14}  # fmt: skip
+_SPLITTING = {"size": {"longest_edge": 112}, "max_image_size": {"longest_edge": 56}, "do_image_splitting": True}
+_SPLIT_STEMS = {"idefics3": "Idefics3", "smolvlm": "SmolVLM"}
+
+
+def save_split_images_model(folder: Path, kind: str) -> Any:
+    """A tiny Idefics 3 or SmolVLM checkpoint that reads images, saved in `folder` as transformers saves it."""
+    import importlib
+
+    import transformers
+    from transformers import AutoTokenizer
+
+    copy_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": _SPLIT_MARKS})
+    image = tokenizer.convert_tokens_to_ids("<image>")
+    tokenizer.chat_template = PARTS_BY_LOOP
+    tokenizer.save_pretrained(folder)
+    text = {**_SHAPE, "model_type": "llama", "vocab_size": len(tokenizer) + 8}
+    stem = _SPLIT_STEMS[kind]
+    config = getattr(transformers, f"{stem}Config")(text_config=text, vision_config=_TILED_SIGLIP, scale_factor=2,
+                                                     image_token_id=image)  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{stem}ForConditionalGeneration")(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.08 if "text_model" in name or "lm_head" in name else 0.3)
+    model.save_pretrained(folder)
+    pil = importlib.import_module(f"transformers.models.{kind}.image_processing_pil_{kind}")
+    getattr(pil, f"{stem}ImageProcessorPil")(**_SPLITTING).save_pretrained(folder)
+    return model
+
+
+def split_images_inputs(folder: Path, kind: str, prompt: ChatPrompt) -> dict[str, torch.Tensor]:
+    """transformers' inputs for `prompt` as its processor lays them out (each `<image>` the template writes becomes
+    transformers' `get_image_prompt_string` of the image's rows and columns of tiles; the processor itself needs
+    torchvision for SmolVLM's video processor, so it is called here piece by piece)."""
+    import importlib
+
+    from PIL import Image
+    from transformers import AutoTokenizer
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = tokenizer.apply_chat_template(template_turns(prompt), chat_template=PARTS_BY_LOOP, tokenize=False,
+                                         add_generation_prompt=True)  # fmt: skip
+    images = [Image.open(io.BytesIO(part.data)).convert("RGB") for m in prompt.messages for _, part in m.images]
+    if not images:
+        return {"input_ids": tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]}
+    pil = importlib.import_module(f"transformers.models.{kind}.image_processing_pil_{kind}")
+    processor = getattr(pil, f"{_SPLIT_STEMS[kind]}ImageProcessorPil")(**_SPLITTING)
+    processed = processor(images=[images], return_tensors="pt", return_row_col_info=True)
+    pieces = text.split("<image>")
+    expanded = pieces[0]
+    for rows, cols, piece in zip(processed["rows"][0], processed["cols"][0], pieces[1:], strict=True):
+        expanded += get_image_prompt_string(rows, cols, 4, "<fake_token_around_image>", "<image>", "<global-img>")
+        expanded += piece
+    ids = tokenizer(expanded, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return {"input_ids": ids, "pixel_values": processed["pixel_values"],
+            "pixel_attention_mask": processed["pixel_attention_mask"]}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(_SPLIT_STEMS))
+def test_idefics3_and_smolvlm_answer_image_prompts_as_transformers_does(kind: str, tmp_path: Path) -> None:
+    """Idefics 3 and SmolVLM (an image split into rows x columns of tiles and a global view, each tile's tokens after
+    its row and column token): the prompt's ids are its processor's layout; prompts with one image, two and none,
+    batched, whole and in chunks of 5, answer as transformers does."""
+    model = save_split_images_model(tmp_path, kind)
+    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    inputs = [split_images_inputs(tmp_path, kind, prompt) for prompt in prompts]
+    assert inputs[0]["pixel_values"].shape[1] > 2  # (an image of several tiles beside its global view)
+    expected = [transformers_greedy(model, each) for each in inputs]
+    for chunk in (2048, 5):
+        with engine(tmp_path, chunk=chunk) as llm:
+            results = llm.chat(prompts, GREEDY, use_tqdm=False)
+        assert [result.prompt_token_ids for result in results] == [each["input_ids"][0].tolist() for each in inputs]
+        assert [result.choices[0].token_ids for result in results] == expected
