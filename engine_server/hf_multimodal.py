@@ -52,8 +52,9 @@ MULTIMODAL_ARCHITECTURES = frozenset({
 })  # fmt: skip
 # The vision towers LLaVA's images are served over, and the class tokens each puts before its patches' rows.
 _CLASS_TOKENS = {"clip_vision_model": 1, "siglip_vision_model": 0}
-# The Qwen-VL kinds whose images are served (`multimodal.qwen_vl`).
-_QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# The kinds whose images are served as Qwen-VL's are (`multimodal.qwen_vl`: a tower over patches and their grid,
+# M-RoPE), GLM-4.1V's, 4.5V's and 4.6V's among them.
+_QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "glm46v")
 # Multimodal model types people ask for whose text model alone is not what they are (the refusal says why).
 MULTIMODAL_NOT_SERVED = {
     "paligemma": "PaliGemma attends both ways over its whole prompt (a prefix LM), which this engine does not serve",
@@ -100,14 +101,15 @@ def multimodal_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], Multimo
 def _image_input(composite: Any) -> ImageInput | None:
     """How a checkpoint whose images are served reads them: LLaVA's (`llava`) over a CLIP or SigLIP tower, whose
     class token (CLIP's) the "default" feature strategy drops; Mistral 3's over Pixtral; InternVL's, Idefics 3's and
-    SmolVLM's tiles; the Qwen-VL kinds' (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE), their text model's M-RoPE
-    sections (Qwen3-VL's interleaved) and Qwen3-VL's DeepStack layers. None for every other kind (text prompts
-    alone)."""
+    SmolVLM's tiles; the Qwen-VL kinds' (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE; GLM-4.1V, 4.5V and 4.6V), their
+    text model's M-RoPE sections (Qwen3-VL's interleaved) and Qwen3-VL's DeepStack layers. None for every other kind
+    (text prompts alone)."""
     if composite.model_type in _QWEN_VL:
         vision = composite.vision_config
         rope = composite.get_text_config(decoder=True).rope_parameters or {}
-        qwen3 = composite.model_type.startswith("qwen3")  # (its default sections: transformers' text rope's)
-        section = tuple(int(n) for n in rope.get("mrope_section") or ((24, 20, 20) if qwen3 else ()))
+        qwen3 = composite.model_type.startswith("qwen3")  # (the default sections: transformers' text rope's)
+        default = (24, 20, 20) if qwen3 else (8, 12, 12) if composite.model_type.startswith("glm") else ()
+        section = tuple(int(n) for n in rope.get("mrope_section") or default)
         deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or ())
         return ImageInput(composite.model_type, int(composite.image_token_id), int(vision.patch_size),
                           merge_size=int(vision.spatial_merge_size), mrope_section=section, mrope_interleaved=qwen3,

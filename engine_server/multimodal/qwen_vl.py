@@ -21,6 +21,9 @@ _TOWERS = {
     "qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel"),
     "qwen3_vl": ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLVisionModel"),
     "qwen3_vl_moe": ("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeVisionModel"),
+    "glm4v": ("transformers.models.glm4v.modeling_glm4v", "Glm4vVisionModel"),
+    "glm4v_moe": ("transformers.models.glm4v_moe.modeling_glm4v_moe", "Glm4vMoeVisionModel"),
+    "glm46v": ("transformers.models.glm4v.modeling_glm4v", "Glm4vVisionModel"),
 }
 
 

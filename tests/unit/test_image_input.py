@@ -262,16 +262,16 @@ def qwen_vl(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 def qwen_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor]:
     """transformers' Qwen-VL processor's inputs for `prompt`."""
     from PIL import Image
-    from transformers import AutoTokenizer, Qwen2VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
 
     images = [Image.open(io.BytesIO(part.data)).convert("RGB") for m in prompt.messages for _, part in m.images]
     class ImagesOnly(Qwen2VLProcessor):  # type: ignore[misc]  # (its video processor would need torchvision)
         def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> type:
             return type(argument)
 
-    processor = ImagesOnly(Qwen2VLImageProcessorPil(**_QWEN_PIXELS), AutoTokenizer.from_pretrained(folder),
-                           video_processor=None, chat_template=QWEN_TEMPLATE)  # fmt: skip
+    images_processor = AutoImageProcessor.from_pretrained(folder, backend="pil")  # (the checkpoint's: Qwen's, GLM's)
+    processor = ImagesOnly(images_processor, AutoTokenizer.from_pretrained(folder), video_processor=None,
+                           chat_template=QWEN_TEMPLATE)  # fmt: skip
     conversation = template_turns(prompt)
     text = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     inputs: dict[str, torch.Tensor] = processor(text=text, images=images or None, return_tensors="pt",
@@ -656,6 +656,64 @@ def test_idefics3_and_smolvlm_answer_image_prompts_as_transformers_does(kind: st
     assert inputs[0]["pixel_values"].shape[1] > 2  # (an image of several tiles beside its global view)
     expected = [transformers_greedy(model, each) for each in inputs]
     for chunk in (2048, 5):
+        with engine(tmp_path, chunk=chunk) as llm:
+            results = llm.chat(prompts, GREEDY, use_tqdm=False)
+        assert [result.prompt_token_ids for result in results] == [each["input_ids"][0].tolist() for each in inputs]
+        assert [result.choices[0].token_ids for result in results] == expected
+
+
+# GLM-4.1V, GLM-4.5V and GLM-4.6V: Qwen2-VL's layout (patches of 14 merged 2 x 2, M-RoPE) over GLM's tower and text model (rope
+# over half of each 16-wide head: 4 rotated pairs, turned by time (1), height (1) and width (2)).
+_GLM_TOWER = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "image_size": 56, "patch_size": 14}  # fmt: skip
+_GLM_TEXT = {"glm4v": {}, "glm46v": {}, "glm4v_moe": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                                         "first_k_dense_replace": 1, "n_shared_experts": 1, "use_qk_norm": False}}
+_GLM_STEMS = {"glm4v": "Glm4v", "glm4v_moe": "Glm4vMoe", "glm46v": "Glm46V"}
+
+
+def save_glm4v(folder: Path, kind: str) -> Any:
+    """A tiny GLM-4.1V (`glm4v`), GLM-4.5V (`glm4v_moe`) or GLM-4.6V (`glm46v`) checkpoint that reads images, saved in `folder` as
+    transformers saves it, with Qwen-VL's vision tokens and template (the tokens' names are the tokenizer's); returns
+    the model."""
+    import transformers
+    from transformers import AutoTokenizer
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    copy_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    marks = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": marks})
+    start, image, end, video = (int(tokenizer.convert_tokens_to_ids(mark)) for mark in marks)
+    tokenizer.chat_template = QWEN_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 2]}
+    text = {**_SHAPE, "head_dim": 16, "vocab_size": video + 8, "rope_parameters": rope, **_GLM_TEXT[kind]}
+    stem = _GLM_STEMS[kind]
+    config = getattr(transformers, f"{stem}Config")(
+        text_config=text, vision_config=_GLM_TOWER, image_token_id=image, video_token_id=video,
+        image_start_token_id=start, image_end_token_id=end,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{stem}ForConditionalGeneration")(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() > 1:
+                wide = "visual" in name or name.endswith("mlp.gate.weight")
+                parameter.normal_(0.0, 0.3 if wide else 0.08)
+    model.save_pretrained(folder)
+    Glm4vImageProcessorPil(size={"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 12}).save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("kind", sorted(_GLM_STEMS))
+def test_glm4v_checkpoints_answer_image_prompts_as_transformers_does(kind: str, tmp_path: Path) -> None:
+    """GLM-4.1V, GLM-4.5V and GLM-4.6V (M-RoPE over half of each head): prompts with one image, two and none, batched, whole and
+    in chunks of 7, answer as transformers does (prompt ids and positions as its processor and `get_rope_index`)."""
+    model = save_glm4v(tmp_path, kind)
+    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    inputs = [qwen_inputs(tmp_path, prompt) for prompt in prompts]
+    expected = [transformers_greedy(model, each) for each in inputs]
+    for chunk in (2048, 7):
         with engine(tmp_path, chunk=chunk) as llm:
             results = llm.chat(prompts, GREEDY, use_tqdm=False)
         assert [result.prompt_token_ids for result in results] == [each["input_ids"][0].tolist() for each in inputs]
