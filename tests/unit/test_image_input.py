@@ -662,19 +662,20 @@ def test_idefics3_and_smolvlm_answer_image_prompts_as_transformers_does(kind: st
         assert [result.choices[0].token_ids for result in results] == expected
 
 
-# GLM-4.1V, GLM-4.5V and GLM-4.6V: Qwen2-VL's layout (patches of 14 merged 2 x 2, M-RoPE) over GLM's tower and text model (rope
-# over half of each 16-wide head: 4 rotated pairs, turned by time (1), height (1) and width (2)).
+# GLM-4.1V, GLM-4.5V and GLM-4.6V: Qwen2-VL's layout (patches of 14 merged 2 x 2, M-RoPE) over GLM's tower and text
+# model (rope over half of each 16-wide head: 4 rotated pairs, turned by time (1), height (1) and width (2)).
 _GLM_TOWER = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
               "image_size": 56, "patch_size": 14}  # fmt: skip
-_GLM_TEXT = {"glm4v": {}, "glm46v": {}, "glm4v_moe": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
-                                         "first_k_dense_replace": 1, "n_shared_experts": 1, "use_qk_norm": False}}
+_GLM_TEXT = {"glm4v": {}, "glm46v": {},
+             "glm4v_moe": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                           "first_k_dense_replace": 1, "n_shared_experts": 1, "use_qk_norm": False}}  # fmt: skip
 _GLM_STEMS = {"glm4v": "Glm4v", "glm4v_moe": "Glm4vMoe", "glm46v": "Glm46V"}
 
 
 def save_glm4v(folder: Path, kind: str) -> Any:
-    """A tiny GLM-4.1V (`glm4v`), GLM-4.5V (`glm4v_moe`) or GLM-4.6V (`glm46v`) checkpoint that reads images, saved in `folder` as
-    transformers saves it, with Qwen-VL's vision tokens and template (the tokens' names are the tokenizer's); returns
-    the model."""
+    """A tiny GLM-4.1V (`glm4v`), GLM-4.5V (`glm4v_moe`) or GLM-4.6V (`glm46v`) checkpoint that reads images, saved
+    in `folder` as transformers saves it, with Qwen-VL's vision tokens and template (the tokens' names are the
+    tokenizer's); returns the model."""
     import transformers
     from transformers import AutoTokenizer
     from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
@@ -707,8 +708,8 @@ def save_glm4v(folder: Path, kind: str) -> Any:
 
 @pytest.mark.parametrize("kind", sorted(_GLM_STEMS))
 def test_glm4v_checkpoints_answer_image_prompts_as_transformers_does(kind: str, tmp_path: Path) -> None:
-    """GLM-4.1V, GLM-4.5V and GLM-4.6V (M-RoPE over half of each head): prompts with one image, two and none, batched, whole and
-    in chunks of 7, answer as transformers does (prompt ids and positions as its processor and `get_rope_index`)."""
+    """GLM-4.1V, GLM-4.5V and GLM-4.6V (M-RoPE over half of each head): prompts with one image, two and none,
+    batched, whole and in chunks of 7, answer as transformers does (prompt ids as its processor lays them out)."""
     model = save_glm4v(tmp_path, kind)
     prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
     inputs = [qwen_inputs(tmp_path, prompt) for prompt in prompts]
