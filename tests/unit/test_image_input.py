@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.vl_checkpoints import QWEN_TEMPLATE
+from benchmarks.vl_checkpoints import QWEN_TEMPLATE, save_drawn, vision_tokenizer, wide_tower
 from engine_server.cuda_graphs import EagerCapture
 from engine_server.errors import ValidationError
 from engine_server.frontend import ChatPrompt
@@ -26,7 +26,6 @@ from engine_server.llm import LLM
 from engine_server.sampling_params import SamplingParams
 from engine_server.tokenizer.chat import ChatImage, ChatMessage
 from tests.families import _SHAPE
-from tests.unit.pooling.embedding_models import copy_tokenizer
 from tests.unit.test_family_engines import engine
 from tests.unit.test_frontend import PARTS_BY_LOOP
 
@@ -53,26 +52,20 @@ def png(seed: int, size: tuple[int, int] = (80, 64)) -> bytes:
 def save_llava(folder: Path) -> Any:
     """A tiny LLaVA checkpoint that reads images, saved in `folder` as transformers saves it; returns the model."""
     import transformers
-    from transformers import AutoTokenizer, CLIPImageProcessor
+    from transformers import CLIPImageProcessor
 
-    copy_tokenizer(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    image_token = tokenizer.convert_tokens_to_ids("<image>")
-    tokenizer.chat_template = PARTS_BY_LOOP
-    tokenizer.save_pretrained(folder)
+    image_token = vision_tokenizer(folder, ["<image>"], PARTS_BY_LOOP).convert_tokens_to_ids("<image>")
     text = {**_SHAPE, "model_type": "llama", "vocab_size": image_token + 8}
     config = transformers.LlavaConfig(text_config=text, vision_config=_CLIP, image_token_id=image_token)
-    torch.manual_seed(0)
-    model = transformers.LlavaForConditionalGeneration(config).eval()
-    with torch.no_grad():  # the text model drawn as the family tests draw theirs; the tower and projector wider
-        for name, parameter in model.named_parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0.0, 0.08 if "language_model" in name or "lm_head" in name else 0.3)
-    model.save_pretrained(folder)
+    model = save_drawn(folder, transformers.LlavaForConditionalGeneration, config, wide_encoder, (0.08, 0.3))
     size = {"shortest_edge": IMAGE_SIZE}
     CLIPImageProcessor(size=size, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(folder)
     return model
+
+
+def wide_encoder(name: str) -> bool:
+    """Whether a parameter is drawn wide: the tower's and the projector's, not the text model's (nor its head)."""
+    return not any(part in name for part in ("language_model", "text_model", "lm_head"))
 
 
 @pytest.fixture(scope="module")
@@ -430,25 +423,13 @@ _MARKS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 def save_mistral3(folder: Path) -> Any:
     """A tiny Mistral 3 checkpoint that reads images, saved in `folder` as transformers saves it; returns the model."""
     import transformers
-    from transformers import AutoTokenizer
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
-    copy_tokenizer(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.add_special_tokens({"additional_special_tokens": _MARKS})
-    image, _, end = tokenizer.convert_tokens_to_ids(_MARKS)
-    tokenizer.chat_template = MISTRAL_TEMPLATE
-    tokenizer.save_pretrained(folder)
+    image, _, end = vision_tokenizer(folder, _MARKS, MISTRAL_TEMPLATE).convert_tokens_to_ids(_MARKS)
     text = {**_SHAPE, "model_type": "mistral", "head_dim": 16, "vocab_size": end + 8}
     config = transformers.Mistral3Config(text_config=text, vision_config=_PIXTRAL, image_token_id=image,
                                          spatial_merge_size=2)  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.Mistral3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0.0, 0.08 if "language_model" in name or "lm_head" in name else 0.3)
-    model.save_pretrained(folder)
+    model = save_drawn(folder, transformers.Mistral3ForConditionalGeneration, config, wide_encoder, (0.08, 0.3))
     PixtralImageProcessorPil(size={"longest_edge": 112}, patch_size=14).save_pretrained(folder)
     return model
 
@@ -459,27 +440,40 @@ def mistral3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     return folder, save_mistral3(folder)
 
 
+def rendered(folder: Path, prompt: ChatPrompt, template: str) -> tuple[Any, str, list[Any]]:
+    """The checkpoint's tokenizer, `prompt` rendered by `template` (its content as parts) and its images, decoded."""
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = tokenizer.apply_chat_template(template_turns(prompt), chat_template=template, tokenize=False,
+                                         add_generation_prompt=True)  # fmt: skip
+    images = [Image.open(io.BytesIO(part.data)).convert("RGB") for m in prompt.messages for _, part in m.images]
+    return tokenizer, text, images
+
+
+def expanded_ids(tokenizer: Any, text: str, placeholder: str, layouts: list[str]) -> torch.Tensor:
+    """The ids `[1, T]` of `text` with its i-th `placeholder` replaced by `layouts[i]` (the processors' text)."""
+    pieces = text.split(placeholder)
+    joined = pieces[0] + "".join(layout + piece for layout, piece in zip(layouts, pieces[1:], strict=True))
+    ids: torch.Tensor = tokenizer(joined, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return ids
+
+
 def pixtral_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor]:
     """transformers' inputs for `prompt` as its `PixtralProcessor` lays them out for Mistral 3 (merged patches of 2 x 2:
     each row's `[IMG]` tokens then `[IMG_BREAK]`, the last row's break an `[IMG_END]`, by the image's processed size;
     the processor's module itself needs torchvision to import, so its layout is written out here)."""
-    from PIL import Image
-    from transformers import AutoTokenizer
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    text = tokenizer.apply_chat_template(template_turns(prompt), chat_template=MISTRAL_TEMPLATE, tokenize=False,
-                                         add_generation_prompt=True)  # fmt: skip
-    images = [Image.open(io.BytesIO(part.data)).convert("RGB") for m in prompt.messages for _, part in m.images]
+    tokenizer, text, images = rendered(folder, prompt, MISTRAL_TEMPLATE)
     if not images:
-        return {"input_ids": tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]}
+        return {"input_ids": expanded_ids(tokenizer, text, "[IMG]", [])}
     processed = PixtralImageProcessorPil(size={"longest_edge": 112})(images=images, patch_size=28, return_tensors="pt")
-    pieces = text.split("[IMG]")
-    expanded = pieces[0]
-    for (height, width), piece in zip(processed["image_sizes"].tolist(), pieces[1:], strict=True):
-        rows = ["[IMG]" * (width // 28) + "[IMG_BREAK]"] * (height // 28)
-        expanded += "".join(rows).removesuffix("[IMG_BREAK]") + "[IMG_END]" + piece
-    ids = tokenizer(expanded, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    layouts = [("[IMG]" * (width // 28) + "[IMG_BREAK]") * (height // 28) for height, width in
+               processed["image_sizes"].tolist()]  # fmt: skip
+    ids = expanded_ids(tokenizer, text, "[IMG]", [layout.removesuffix("[IMG_BREAK]") + "[IMG_END]"
+                                                  for layout in layouts])  # fmt: skip
     return {"input_ids": ids, "pixel_values": processed["pixel_values"], "image_sizes": processed["image_sizes"]}
 
 
@@ -515,25 +509,14 @@ _INTERNVL_TILES = {"size": {"height": 56, "width": 56}, "max_patches": 4}
 def save_internvl(folder: Path) -> Any:
     """A tiny InternVL checkpoint that reads images, saved in `folder` as transformers saves it; returns the model."""
     import transformers
-    from transformers import AutoTokenizer
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
-    copy_tokenizer(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<img>", "</img>", "<IMG_CONTEXT>"]})
+    tokenizer = vision_tokenizer(folder, ["<img>", "</img>", "<IMG_CONTEXT>"], INTERNVL_TEMPLATE)
     context = tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>")
-    tokenizer.chat_template = INTERNVL_TEMPLATE
-    tokenizer.save_pretrained(folder)
     text = {**_SHAPE, "model_type": "qwen2", "head_dim": 16, "vocab_size": context + 8}
     config = transformers.InternVLConfig(text_config=text, vision_config=_INTERNVIT, image_token_id=context,
                                          image_seq_length=4)  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.InternVLForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0.0, 0.08 if "language_model" in name or "lm_head" in name else 0.3)
-    model.save_pretrained(folder)
+    model = save_drawn(folder, transformers.InternVLForConditionalGeneration, config, wide_encoder, (0.08, 0.3))
     GotOcr2ImageProcessorPil(**_INTERNVL_TILES).save_pretrained(folder)
     return model
 
@@ -542,22 +525,14 @@ def internvl_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor]
     """transformers' inputs for `prompt` as its `InternVLProcessor` lays them out (each `<IMG_CONTEXT>` the template
     writes becomes `<img>`, 4 tokens a tile, `</img>`, its tiles cropped as the processor asks; the processor itself
     needs torchvision for its video processor, so its layout is written out here)."""
-    from PIL import Image
-    from transformers import AutoTokenizer
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    text = tokenizer.apply_chat_template(template_turns(prompt), chat_template=INTERNVL_TEMPLATE, tokenize=False,
-                                         add_generation_prompt=True)  # fmt: skip
-    images = [Image.open(io.BytesIO(part.data)).convert("RGB") for m in prompt.messages for _, part in m.images]
+    tokenizer, text, images = rendered(folder, prompt, INTERNVL_TEMPLATE)
     if not images:
-        return {"input_ids": tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]}
+        return {"input_ids": expanded_ids(tokenizer, text, "<IMG_CONTEXT>", [])}
     processed = GotOcr2ImageProcessorPil(**_INTERNVL_TILES)(images=images, crop_to_patches=True, return_tensors="pt")
-    pieces = text.split("<IMG_CONTEXT>")
-    expanded = pieces[0]
-    for tiles, piece in zip(processed["num_patches"].tolist(), pieces[1:], strict=True):
-        expanded += "<img>" + "<IMG_CONTEXT>" * (4 * tiles) + "</img>" + piece
-    ids = tokenizer(expanded, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    layouts = ["<img>" + "<IMG_CONTEXT>" * (4 * tiles) + "</img>" for tiles in processed["num_patches"].tolist()]
+    ids = expanded_ids(tokenizer, text, "<IMG_CONTEXT>", layouts)
     return {"input_ids": ids, "pixel_values": processed["pixel_values"]}
 
 
@@ -592,25 +567,15 @@ def save_split_images_model(folder: Path, kind: str) -> Any:
     import importlib
 
     import transformers
-    from transformers import AutoTokenizer
 
-    copy_tokenizer(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.add_special_tokens({"additional_special_tokens": _SPLIT_MARKS})
+    tokenizer = vision_tokenizer(folder, _SPLIT_MARKS, PARTS_BY_LOOP)
     image = tokenizer.convert_tokens_to_ids("<image>")
-    tokenizer.chat_template = PARTS_BY_LOOP
-    tokenizer.save_pretrained(folder)
     text = {**_SHAPE, "model_type": "llama", "vocab_size": len(tokenizer) + 8}
     stem = _SPLIT_STEMS[kind]
     config = getattr(transformers, f"{stem}Config")(text_config=text, vision_config=_TILED_SIGLIP, scale_factor=2,
                                                      image_token_id=image)  # fmt: skip
-    torch.manual_seed(0)
-    model = getattr(transformers, f"{stem}ForConditionalGeneration")(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0.0, 0.08 if "text_model" in name or "lm_head" in name else 0.3)
-    model.save_pretrained(folder)
+    model = save_drawn(folder, getattr(transformers, f"{stem}ForConditionalGeneration"), config, wide_encoder,
+                       (0.08, 0.3))  # fmt: skip
     pil = importlib.import_module(f"transformers.models.{kind}.image_processing_pil_{kind}")
     getattr(pil, f"{stem}ImageProcessorPil")(**_SPLITTING).save_pretrained(folder)
     return model
@@ -622,25 +587,17 @@ def split_images_inputs(folder: Path, kind: str, prompt: ChatPrompt) -> dict[str
     torchvision for SmolVLM's video processor, so it is called here piece by piece)."""
     import importlib
 
-    from PIL import Image
-    from transformers import AutoTokenizer
     from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
 
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    text = tokenizer.apply_chat_template(template_turns(prompt), chat_template=PARTS_BY_LOOP, tokenize=False,
-                                         add_generation_prompt=True)  # fmt: skip
-    images = [Image.open(io.BytesIO(part.data)).convert("RGB") for m in prompt.messages for _, part in m.images]
+    tokenizer, text, images = rendered(folder, prompt, PARTS_BY_LOOP)
     if not images:
-        return {"input_ids": tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]}
+        return {"input_ids": expanded_ids(tokenizer, text, "<image>", [])}
     pil = importlib.import_module(f"transformers.models.{kind}.image_processing_pil_{kind}")
     processor = getattr(pil, f"{_SPLIT_STEMS[kind]}ImageProcessorPil")(**_SPLITTING)
     processed = processor(images=[images], return_tensors="pt", return_row_col_info=True)
-    pieces = text.split("<image>")
-    expanded = pieces[0]
-    for rows, cols, piece in zip(processed["rows"][0], processed["cols"][0], pieces[1:], strict=True):
-        expanded += get_image_prompt_string(rows, cols, 4, "<fake_token_around_image>", "<image>", "<global-img>")
-        expanded += piece
-    ids = tokenizer(expanded, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    layouts = [get_image_prompt_string(rows, cols, 4, "<fake_token_around_image>", "<image>", "<global-img>")
+               for rows, cols in zip(processed["rows"][0], processed["cols"][0], strict=True)]  # fmt: skip
+    ids = expanded_ids(tokenizer, text, "<image>", layouts)
     return {"input_ids": ids, "pixel_values": processed["pixel_values"],
             "pixel_attention_mask": processed["pixel_attention_mask"]}  # fmt: skip
 
@@ -677,16 +634,11 @@ def save_glm4v(folder: Path, kind: str) -> Any:
     in `folder` as transformers saves it, with Qwen-VL's vision tokens and template (the tokens' names are the
     tokenizer's); returns the model."""
     import transformers
-    from transformers import AutoTokenizer
     from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 
-    copy_tokenizer(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
     marks = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
-    tokenizer.add_special_tokens({"additional_special_tokens": marks})
-    start, image, end, video = (int(tokenizer.convert_tokens_to_ids(mark)) for mark in marks)
-    tokenizer.chat_template = QWEN_TEMPLATE
-    tokenizer.save_pretrained(folder)
+    ids: Any = vision_tokenizer(folder, marks, QWEN_TEMPLATE).convert_tokens_to_ids(marks)
+    start, image, end, video = (int(i) for i in ids)
     rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 2]}
     text = {**_SHAPE, "head_dim": 16, "vocab_size": video + 8, "rope_parameters": rope, **_GLM_TEXT[kind]}
     stem = _GLM_STEMS[kind]
@@ -694,14 +646,8 @@ def save_glm4v(folder: Path, kind: str) -> Any:
         text_config=text, vision_config=_GLM_TOWER, image_token_id=image, video_token_id=video,
         image_start_token_id=start, image_end_token_id=end,
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = getattr(transformers, f"{stem}ForConditionalGeneration")(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if parameter.dim() > 1:
-                wide = "visual" in name or name.endswith("mlp.gate.weight")
-                parameter.normal_(0.0, 0.3 if wide else 0.08)
-    model.save_pretrained(folder)
+    model = save_drawn(folder, getattr(transformers, f"{stem}ForConditionalGeneration"), config, wide_tower,
+                       (0.08, 0.3))  # fmt: skip
     Glm4vImageProcessorPil(size={"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 12}).save_pretrained(folder)
     return model
 
