@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +110,19 @@ def template_turns(prompt: ChatPrompt) -> list[dict[str, Any]]:
                                      for p in m.content_parts or (m.content,)]}
         for m in prompt.messages
     ]  # fmt: skip
+
+
+def assert_serves_like(
+    folder: Path, model: Any, prompts: list[ChatPrompt], inputs: list[dict[str, torch.Tensor]], chunks: Sequence[int]
+) -> None:
+    """The engine on `folder`, prefilling at most each of `chunks` tokens a step, lays `prompts` out as `inputs` (the
+    processor's) and answers them, batched, with `model`'s greedy tokens for each alone."""
+    expected = [transformers_greedy(model, each) for each in inputs]
+    for chunk in chunks:
+        with engine(folder, chunk=chunk) as llm:
+            results = llm.chat(prompts, GREEDY, use_tqdm=False)
+        assert [result.prompt_token_ids for result in results] == [each["input_ids"][0].tolist() for each in inputs]
+        assert [result.choices[0].token_ids for result in results] == expected
 
 
 def transformers_greedy(model: Any, inputs: dict[str, torch.Tensor], new: int = NEW_TOKENS) -> list[int]:
@@ -544,12 +557,7 @@ def test_an_internvl_checkpoint_answers_image_prompts_as_transformers_does(tmp_p
     prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
     inputs = [internvl_inputs(tmp_path, prompt) for prompt in prompts]
     assert any(each.get("pixel_values", torch.zeros(1)).shape[0] > 2 for each in inputs)  # (images of several tiles)
-    expected = [transformers_greedy(model, each) for each in inputs]
-    for chunk in (2048, 5):
-        with engine(tmp_path, chunk=chunk) as llm:
-            results = llm.chat(prompts, GREEDY, use_tqdm=False)
-        assert [result.prompt_token_ids for result in results] == [each["input_ids"][0].tolist() for each in inputs]
-        assert [result.choices[0].token_ids for result in results] == expected
+    assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
 
 
 # Idefics 3 and SmolVLM over a tiny SigLIP: an image up to 112 pixels a side split into tiles of 56 (4 x 4 patches of
@@ -611,12 +619,7 @@ def test_idefics3_and_smolvlm_answer_image_prompts_as_transformers_does(kind: st
     prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
     inputs = [split_images_inputs(tmp_path, kind, prompt) for prompt in prompts]
     assert inputs[0]["pixel_values"].shape[1] > 2  # (an image of several tiles beside its global view)
-    expected = [transformers_greedy(model, each) for each in inputs]
-    for chunk in (2048, 5):
-        with engine(tmp_path, chunk=chunk) as llm:
-            results = llm.chat(prompts, GREEDY, use_tqdm=False)
-        assert [result.prompt_token_ids for result in results] == [each["input_ids"][0].tolist() for each in inputs]
-        assert [result.choices[0].token_ids for result in results] == expected
+    assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
 
 
 # GLM-4.1V, GLM-4.5V and GLM-4.6V: Qwen2-VL's layout (patches of 14 merged 2 x 2, M-RoPE) over GLM's tower and text
@@ -659,9 +662,4 @@ def test_glm4v_checkpoints_answer_image_prompts_as_transformers_does(kind: str, 
     model = save_glm4v(tmp_path, kind)
     prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
     inputs = [qwen_inputs(tmp_path, prompt) for prompt in prompts]
-    expected = [transformers_greedy(model, each) for each in inputs]
-    for chunk in (2048, 7):
-        with engine(tmp_path, chunk=chunk) as llm:
-            results = llm.chat(prompts, GREEDY, use_tqdm=False)
-        assert [result.prompt_token_ids for result in results] == [each["input_ids"][0].tolist() for each in inputs]
-        assert [result.choices[0].token_ids for result in results] == expected
+    assert_serves_like(tmp_path, model, prompts, inputs, (2048, 7))
