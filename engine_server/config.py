@@ -31,10 +31,11 @@ _O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = (
 @dataclass(frozen=True)
 class ImageInput:
     """How a multimodal checkpoint whose images are served reads them (`engine_server.multimodal`): its vision
-    encoder (`encoder`: "llava", a tower's hidden states through LLaVA's projector; "mistral3", Pixtral's through
-    Mistral 3's patch merger; "internvl", InternViT's pixel-shuffled through InternVL's projector, a tile at a time;
-    "idefics3" or "smolvlm", SigLIP's through the pixel-shuffle connector, a tile at a time;
-    "qwen2_vl", "qwen2_5_vl", "qwen3_vl" or "qwen3_vl_moe", the Qwen-VL towers over a processed image's patches,
+    encoder (`encoder`: "llava", a tower's hidden states through LLaVA's projector; "llava_next", the same over its
+    image's tiles (any resolution: its processor's grid), unpadded, a newline after each row; "mistral3", Pixtral's
+    through Mistral 3's patch merger; "internvl", InternViT's pixel-shuffled through InternVL's projector, a tile at a
+    time; "idefics3" or "smolvlm", SigLIP's through the pixel-shuffle connector, a tile at a time; "qwen2_vl",
+    "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe" and the GLM-4.xV kinds, their towers over a processed image's patches,
     merged `merge_size` x `merge_size`), and the placeholder token its chat template writes once per image
     (`image_token_id`), expanded to the image's tokens: LLaVA's one per patch of `patch_size` squares plus
     `extra_tokens` (the tower's class token, unless the projector drops it: -1 to 1; InternVL's `extra_tokens` a

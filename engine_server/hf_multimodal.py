@@ -99,11 +99,11 @@ def multimodal_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], Multimo
 
 
 def _image_input(composite: Any) -> ImageInput | None:
-    """How a checkpoint whose images are served reads them: LLaVA's (`llava`) over a CLIP or SigLIP tower, whose
-    class token (CLIP's) the "default" feature strategy drops; Mistral 3's over Pixtral; InternVL's, Idefics 3's and
-    SmolVLM's tiles; the Qwen-VL kinds' (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE; GLM-4.1V, 4.5V and 4.6V), their
-    text model's M-RoPE sections (Qwen3-VL's interleaved) and Qwen3-VL's DeepStack layers. None for every other kind
-    (text prompts alone)."""
+    """How a checkpoint whose images are served reads them: LLaVA's and LLaVA-NeXT's over a CLIP or SigLIP tower,
+    whose class token (CLIP's) the "default" feature strategy drops; Mistral 3's over Pixtral; InternVL's, Idefics 3's
+    and SmolVLM's tiles; the Qwen-VL kinds' (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE; GLM-4.1V, 4.5V and 4.6V),
+    their text model's M-RoPE sections (Qwen3-VL's interleaved) and Qwen3-VL's DeepStack layers. None for every other
+    kind (text prompts alone)."""
     if composite.model_type in _QWEN_VL:
         vision = composite.vision_config
         rope = composite.get_text_config(decoder=True).rope_parameters or {}
@@ -129,14 +129,15 @@ def _image_input(composite: Any) -> ImageInput | None:
         per_tile = (int(vision.image_size) // int(vision.patch_size)) ** 2 // int(composite.scale_factor) ** 2
         return ImageInput(composite.model_type, int(composite.image_token_id), int(vision.patch_size),
                           extra_tokens=per_tile, split_rows=True)  # fmt: skip
-    if composite.model_type != "llava":
+    if composite.model_type not in ("llava", "llava_next"):
         return None
     vision = composite.vision_config
     class_tokens = _CLASS_TOKENS.get(vision.model_type)
     if class_tokens is None:
         return None
     dropped = 1 if composite.vision_feature_select_strategy == "default" else 0
-    return ImageInput("llava", int(composite.image_token_id), int(vision.patch_size), class_tokens - dropped)
+    image_token, patch = int(composite.image_token_id), int(vision.patch_size)
+    return ImageInput(composite.model_type, image_token, patch, class_tokens - dropped)
 
 
 def mistral3_checkpoint(cfg: dict[str, Any]) -> MultimodalCheckpoint | None:

@@ -338,6 +338,7 @@ def _load_vision(
     from engine_server.multimodal.llava import (  # (transformers' modules: only for these models)
         InternVLImageEncoder,
         LlavaImageEncoder,
+        LlavaNextImageEncoder,
         Mistral3ImageEncoder,
         TiledSiglipEncoder,
     )
@@ -347,7 +348,7 @@ def _load_vision(
     kind = source.config.multimodal.images.encoder
     encoders: dict[str, Any] = {
         "llava": LlavaImageEncoder, "mistral3": Mistral3ImageEncoder, "internvl": InternVLImageEncoder,
-        "idefics3": TiledSiglipEncoder, "smolvlm": TiledSiglipEncoder,
+        "idefics3": TiledSiglipEncoder, "smolvlm": TiledSiglipEncoder, "llava_next": LlavaNextImageEncoder,
     }  # fmt: skip
     loaded: ImageEncoder = encoders.get(kind, QwenVisionEncoder).from_checkpoint(
         source.path, source.lazy_weights(), dtype, device

@@ -19,7 +19,7 @@ from engine_server.multimodal.inputs import ImageSpan
 class ImageEncoder(Protocol):
     """A model's vision encoder (`llava.LlavaImageEncoder`, `qwen_vl.QwenVisionEncoder`)."""
 
-    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None = None) -> torch.Tensor:
+    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
         """One image's processed pixels (`ImageSpan.pixel_values`, on the encoder's device and dtype) and grid ->
         its tokens' embeddings `[ImageSpan.length, text hidden]`."""
         ...

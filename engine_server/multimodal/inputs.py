@@ -22,13 +22,14 @@ _DIGEST_DOMAIN = b"ladle.v1 images\0"  # keeps the images' digest apart from any
 class ImageSpan:
     """One image of a prompt: its placeholder run `[offset, offset + length)`, the processor's `pixel_values`
     (`[3, H, W]`, float32; the Qwen-VL processors' `[patches, C * T * P * P]` beside their `grid`, the image's
-    (temporal, height, width) patches) and the sha256 of its file's bytes (`digest`)."""
+    (temporal, height, width) patches; LLaVA-NeXT's tiles `[n, 3, H, W]` beside its original (height, width) as its
+    `grid`) and the sha256 of its file's bytes (`digest`)."""
 
     offset: int
     length: int
     pixel_values: torch.Tensor
     digest: bytes
-    grid: tuple[int, int, int] | None = None
+    grid: tuple[int, ...] | None = None
     # Where its embeddings go: runs (offset in the span, length), in order (Mistral 3's rows, each before a break
     # token); empty: the whole span, one embedding a token.
     runs: tuple[tuple[int, int], ...] = ()

@@ -43,7 +43,7 @@ class LlavaImageEncoder(nn.Module):
         `model.vision_tower.`, or the released ones, `vision_tower.`; the text model's passed over unread)."""
         return load_encoder(cls, folder, weights, _PARTS, dtype, device)
 
-    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None = None) -> torch.Tensor:
+    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
         """One image's `[3, H, W]` -> its tokens' embeddings `[tokens, text hidden]` (`ImageEncoder`)."""
         return self(pixel_values.unsqueeze(0))[0]
 
@@ -78,7 +78,7 @@ class Mistral3ImageEncoder(nn.Module):
         """The encoder of the checkpoint in `folder`, loaded from `weights` (as `LlavaImageEncoder`'s)."""
         return load_encoder(cls, folder, weights, _PARTS, dtype, device)
 
-    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None = None) -> torch.Tensor:
+    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
         """One image's `[3, H, W]` -> its merged patches' embeddings `[(H / s) * (W / s), text hidden]`, s the merged
         patches' side (`ImageEncoder`)."""
         sizes = torch.tensor([list(pixel_values.shape[-2:])], device=pixel_values.device)
@@ -113,7 +113,7 @@ class InternVLImageEncoder(nn.Module):
         """The encoder of the checkpoint in `folder`, loaded from `weights` (as `LlavaImageEncoder`'s)."""
         return load_encoder(cls, folder, weights, _PARTS, dtype, device)
 
-    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None = None) -> torch.Tensor:
+    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
         """One image's tiles `[n, 3, H, W]` -> their tokens' embeddings `[n * tokens a tile, text hidden]`."""
         from transformers.models.internvl.modeling_internvl import InternVLModel
 
@@ -153,7 +153,7 @@ class TiledSiglipEncoder(nn.Module):
         `model.connector.`)."""
         return load_encoder(cls, folder, weights, ("vision_model.", "connector."), dtype, device)
 
-    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None = None) -> torch.Tensor:
+    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
         """One image's tiles `[n, 3, H, W]` (whole: no padding within one image) -> their tokens' embeddings."""
         tiles, _, height, width = pixel_values.shape
         patches = torch.ones(tiles, height // self.patch_size, width // self.patch_size, dtype=torch.bool,
@@ -161,3 +161,44 @@ class TiledSiglipEncoder(nn.Module):
         states = self.vision_model(pixel_values=pixel_values, patch_attention_mask=patches).last_hidden_state
         features: torch.Tensor = self.connector(states)
         return features.reshape(-1, features.shape[-1])
+
+
+class LlavaNextImageEncoder(nn.Module):
+    """LLaVA-NeXT's images (LLaVA 1.6): the image's tiles of its any-resolution grid and its base view through the tower
+    and the projector (as LLaVA's), then laid out as transformers' `LlavaNextModel` packs them: the base view's rows,
+    then the grid's unpadded to the image's aspect, `image_newline` after each row of it."""
+
+    def __init__(self, composite: Any) -> None:
+        super().__init__()
+        from transformers import AutoModel
+        from transformers.models.llava_next.modeling_llava_next import LlavaNextMultiModalProjector
+
+        self.config = composite  # (read by transformers' packing: the grid's pinpoints, the tower's image size)
+        self.vision_tower = AutoModel.from_config(composite.vision_config)
+        self.multi_modal_projector = LlavaNextMultiModalProjector(composite)
+        self.image_newline = nn.Parameter(torch.empty(composite.text_config.hidden_size))
+        self.feature_layers: int | list[int] = composite.vision_feature_layer
+        self.strategy: str = composite.vision_feature_select_strategy
+
+    @classmethod
+    def from_checkpoint(
+        cls, folder: Path, weights: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype, device: torch.device
+    ) -> LlavaNextImageEncoder:
+        """The encoder of the checkpoint in `folder`, loaded from `weights` (LLaVA's parts and `image_newline`)."""
+        return load_encoder(cls, folder, weights, (*_PARTS, "image_newline"), dtype, device)
+
+    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
+        """One image's tiles `[n, 3, H, W]` and its original (height, width) `grid` -> its tokens' embeddings."""
+        from transformers.models.llava_next.modeling_llava_next import LlavaNextModel
+
+        assert grid is not None and len(grid) == 2, "a LLaVA-NeXT image has its original size"
+        out = self.vision_tower(pixel_values, output_hidden_states=True, return_dict=True)
+        layers = [self.feature_layers] if isinstance(self.feature_layers, int) else self.feature_layers
+        states = torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)
+        if self.strategy == "default":
+            states = states[:, 1:]
+        features = self.multi_modal_projector(states)
+        pack: Any = LlavaNextModel.pack_image_features  # (it reads its model's config alone)
+        packed, _ = pack(self, [features], torch.tensor([list(grid)]), self.strategy, image_newline=self.image_newline)
+        result: torch.Tensor = packed[0]
+        return result

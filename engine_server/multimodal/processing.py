@@ -55,7 +55,9 @@ class ImageProcessing:
         self.max_image_pixels = max_image_pixels
         self.row_marks = row_marks
         self.image_marks = image_marks
-        self.tokenizer: Any = None  # (Idefics 3's and SmolVLM's layouts are text the tokenizer reads: `for_model`)
+        # Idefics 3's and SmolVLM's layouts are text the tokenizer reads, LLaVA-NeXT's its processor lays out
+        # (`for_model`): that tokenizer, or processor.
+        self.tokenizer: Any = None
 
     @classmethod
     def for_model(cls, spec: ImageInput, folder: Path, tokenizer: Any = None) -> ImageProcessing:
@@ -66,6 +68,15 @@ class ImageProcessing:
         processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
         rows, image = _mark_ids(spec.row_marks, tokenizer, folder), _mark_ids(spec.image_marks, tokenizer, folder)
         processing = cls(spec, processor, row_marks=rows, image_marks=image)
+        if spec.encoder == "llava_next":  # (its processor lays an image's tokens out: as many as its tiles unpad to)
+            from transformers import LlavaNextProcessor
+
+            if tokenizer is None:
+                raise ValueError("LLaVA-NeXT images need the tokenizer for their layout")
+            processing.tokenizer = LlavaNextProcessor(
+                processor, tokenizer, patch_size=spec.patch_size, vision_feature_select_strategy="full",
+                num_additional_image_tokens=spec.extra_tokens,
+            )  # fmt: skip
         if spec.split_rows:
             if tokenizer is None:
                 raise ValueError(f"{spec.encoder} images need the tokenizer for their prompt text")
@@ -100,7 +111,7 @@ class ImageProcessing:
 
     def _laid_out(
         self, processed: Any
-    ) -> tuple[list[int], tuple[tuple[int, int], ...], Any, tuple[int, int, int] | None]:
+    ) -> tuple[list[int], tuple[tuple[int, int], ...], Any, tuple[int, ...] | None]:
         """An image's tokens, the runs of them its embeddings go to (`ImageSpan.runs`), its pixels and grid, from its
         processor's output: LLaVA's `[3, H, W]` a token per patch; Mistral 3's a row of merged patches' tokens and a
         break (the last row an end) after each; InternVL's tiles `[n, 3, H, W]` their tokens between a start and an
@@ -112,6 +123,10 @@ class ImageProcessing:
             return [image_token] * (size[0] * size[1] * size[2] // merge**2), (), pixels, size
         if self.spec.split_rows:  # Idefics 3's and SmolVLM's: the processor's text for its rows of tiles
             return self._split_rows(processed)
+        if self.spec.encoder == "llava_next":  # the processor's own layout, and the image's size beside its tiles
+            tokens = [int(t) for t in processed["input_ids"][0]]
+            height, width = (int(n) for n in processed["image_sizes"][0])
+            return tokens, (), processed["pixel_values"][0], (height, width)
         if self.image_marks is not None:  # InternVL's: its tiles' tokens between its start and end tokens
             count = self.spec.extra_tokens * int(pixels.shape[0])
             start, end = self.image_marks
@@ -129,7 +144,7 @@ class ImageProcessing:
 
     def _split_rows(
         self, processed: Any
-    ) -> tuple[list[int], tuple[tuple[int, int], ...], Any, tuple[int, int, int] | None]:
+    ) -> tuple[list[int], tuple[tuple[int, int], ...], Any, tuple[int, ...] | None]:
         """Idefics 3's and SmolVLM's layout of an image split into rows x columns of tiles and a global view: the text
         their processors write (transformers' own `get_image_prompt_string`: each tile's row and column token and its
         image tokens, a line a row, the global view's last), read by the tokenizer alone (it starts and ends with a
@@ -174,6 +189,9 @@ class ImageProcessing:
             raise ValidationError(
                 f"the image cannot be read ({error}); send a PNG, JPEG, WebP, GIF or BMP file", image.param
             ) from None
+        if self.spec.encoder == "llava_next":  # (its processor: the tiles and the placeholder's expansion alike)
+            placeholder = self.tokenizer.tokenizer.convert_ids_to_tokens(self.spec.image_token_id)
+            return self.tokenizer(text=placeholder, images=[rgb], return_tensors="pt", add_special_tokens=False)
         if self.spec.split_rows:  # (Idefics 3's and SmolVLM's: with its rows and columns of tiles)
             return self.processor(images=[[rgb]], return_tensors="pt", return_row_col_info=True)
         if self.spec.tiles:  # (InternVL's: tiles and a thumbnail, as its processor asks)

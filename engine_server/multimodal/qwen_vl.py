@@ -47,12 +47,12 @@ class QwenVisionEncoder(nn.Module):
         return load_encoder(lambda composite: cls(composite.model_type, composite), folder, weights, ("visual.",),
                             dtype, device)  # fmt: skip
 
-    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, int, int] | None = None) -> torch.Tensor:
+    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
         """One image's patches -> its tokens' embeddings (`ImageEncoder`)."""
-        assert grid is not None, "a Qwen-VL image has its grid"
+        assert grid is not None and len(grid) == 3, "a Qwen-VL image has its (t, h, w) grid"
         return self(pixel_values, grid)
 
-    def forward(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, grid: tuple[int, ...]) -> torch.Tensor:
         """`[tokens, text hidden]`; Qwen3-VL's `[tokens, text hidden * (1 + DeepStack layers)]`: each token's
         embedding, then its DeepStack features in layer order (`ImageInput.deepstack_layers`)."""
         grid_thw = torch.tensor([grid], device=pixel_values.device)

@@ -663,3 +663,47 @@ def test_glm4v_checkpoints_answer_image_prompts_as_transformers_does(kind: str, 
     prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
     inputs = [qwen_inputs(tmp_path, prompt) for prompt in prompts]
     assert_serves_like(tmp_path, model, prompts, inputs, (2048, 7))
+
+
+# LLaVA-NeXT over a tiny CLIP tower of 28 pixels (2 x 2 patches): an image's tiles on the best grid of 28-pixel tiles
+# up to 56 x 56, and its base view.
+_PINPOINTS = [[28, 28], [28, 56], [56, 28], [56, 56]]
+
+
+def save_llava_next(folder: Path) -> Any:
+    """A tiny LLaVA-NeXT checkpoint that reads images, saved in `folder` as transformers saves it; returns the model."""
+    import transformers
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    image_token = vision_tokenizer(folder, ["<image>"], PARTS_BY_LOOP).convert_tokens_to_ids("<image>")
+    text = {**_SHAPE, "model_type": "mistral", "head_dim": 16, "vocab_size": image_token + 8}
+    config = transformers.LlavaNextConfig(text_config=text, vision_config={**_CLIP, "image_size": 28},
+                                          image_token_id=image_token, image_grid_pinpoints=_PINPOINTS)  # fmt: skip
+    model = save_drawn(folder, transformers.LlavaNextForConditionalGeneration, config, wide_encoder, (0.08, 0.3))
+    LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                               image_grid_pinpoints=_PINPOINTS).save_pretrained(folder)  # fmt: skip
+    return model
+
+
+def llava_next_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor]:
+    """transformers' `LlavaNextProcessor` inputs for `prompt`."""
+    from transformers import AutoImageProcessor, LlavaNextProcessor
+
+    tokenizer, text, images = rendered(folder, prompt, PARTS_BY_LOOP)
+    processor = LlavaNextProcessor(AutoImageProcessor.from_pretrained(folder, backend="pil"), tokenizer,
+                                   patch_size=14, vision_feature_select_strategy="default",
+                                   num_additional_image_tokens=1)  # fmt: skip
+    inputs: dict[str, torch.Tensor] = processor(text=text, images=images or None, return_tensors="pt",
+                                                add_special_tokens=False)  # fmt: skip
+    return inputs
+
+
+def test_a_llava_next_checkpoint_answers_image_prompts_as_transformers_does(tmp_path: Path) -> None:
+    """LLaVA-NeXT (any resolution: an image's tiles on its best grid beside its base view, unpadded, a newline
+    embedding after each row): the prompt's ids are its processor's; prompts with one image, two (of other aspects)
+    and none, batched, whole and in chunks of 5, answer as transformers does."""
+    model = save_llava_next(tmp_path)
+    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    inputs = [llava_next_inputs(tmp_path, prompt) for prompt in prompts]
+    assert inputs[0]["pixel_values"].shape[1] > 2  # (an image of several tiles beside its base view)
+    assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
