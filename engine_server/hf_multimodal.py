@@ -9,8 +9,9 @@ Their `config.json` is read as transformers reads it (its composite config class
 differs from the class's defaults, and early ones are flat, the text model's keys at the top level), and the text
 model's config (`text_config`) is read as the family's own, under the embedding tie of the composite model (the one
 transformers ties the LM head by). The towers and projectors beside the text model are read only where images are
-served: LLaVA's (`engine_server.multimodal`, `MultimodalCheckpoint.images`); the other kinds serve text prompts, and a
-turn with an image is refused by name.
+served (`engine_server.multimodal`, `MultimodalCheckpoint.images`: LLaVA, LLaVA-NeXT, Mistral 3, InternVL, Idefics 3,
+SmolVLM, the Qwen-VL and GLM-4.xV kinds); the other kinds serve text prompts, and a turn with an image is refused by
+name.
 
 A text prompt takes the text model alone in each of these: the M-RoPE of the Qwen-VL and GLM-V families turns a text
 token's three position components, all its one position, as plain rope does; Llama 3.2 Vision skips its
