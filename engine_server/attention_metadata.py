@@ -33,6 +33,7 @@ from ladle_kernels.reference import FP8_KV_DTYPE, FP8_KV_SCALE_BYTES
 
 if TYPE_CHECKING:
     from engine_server.core.scheduler_output import StateCopies
+    from engine_server.layers.image_blocks import ImageBlock
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,8 @@ class AttentionMetadata:
     # ... and with M-RoPE (the Qwen-VL text models), a step that computes such a prompt's tokens: every token's
     # (temporal, height, width) rope positions `[3, T]` int64 (`multimodal.features.step_mrope_positions`); else None.
     mrope_positions: torch.Tensor | None = None
+    # ... and images whose tokens attend both ways (Gemma 3's), the step's (`layers.image_blocks`); None: none.
+    image_blocks: list[ImageBlock] | None = None
 
     @classmethod
     def build(

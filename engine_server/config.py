@@ -63,6 +63,11 @@ class ImageInput:
     # Idefics 3's and SmolVLM's: the image split into rows x columns of tiles and a global view, its prompt text the
     # processor's (`<fake_token_around_image><row_1_col_1><image>...`), `extra_tokens` image tokens a tile.
     split_rows: bool = False
+    # Gemma 3's: the chat template writes `<start_of_image>` (`text_marks[0]`) for an image, which its processor's text
+    # replaces with `\n\n<start_of_image>`, `extra_tokens` image tokens, `<end_of_image>\n\n` before tokenizing; an
+    # image's tokens attend to each other both ways (`bidirectional`), as its model's mask has them.
+    text_marks: tuple[str, str, str] | None = None
+    bidirectional: bool = False
 
     def tokens_per_image(self, height: int, width: int) -> int:
         """Placeholder tokens of an image processed to `height` x `width` pixels (LLaVA's processor's count)."""

@@ -249,7 +249,11 @@ class InputProcessor:
             return PreparedPrompt(self.tokenize(prompt), params)
         images = self._chat_images(prompt)
         text = _unicode(self.render(prompt), "messages")
-        ids = self._chat_ids(text)
+        if images:  # (Gemma 3's processor lays its images out in the text: `ImageProcessing.expand_text`)
+            assert self.images is not None
+            ids = self._chat_ids(self.images.expand_text(text))
+        else:
+            ids = self._chat_ids(text)
         multimodal = None
         if images:
             assert self.images is not None  # (`_chat_images` refuses images otherwise)
@@ -321,11 +325,11 @@ class InputProcessor:
         """Token ids of a prompt. Chat is rendered with the model's template (which adds its own specials)."""
         if isinstance(prompt, ChatPrompt):
             images = self._chat_images(prompt)
-            ids = self._chat_ids(_unicode(self.render(prompt), "messages"))
-            if images:
-                assert self.images is not None
-                ids = self.images.prepare(ids, images)[0]
-            return ids
+            text = _unicode(self.render(prompt), "messages")
+            if not images:
+                return self._chat_ids(text)
+            assert self.images is not None
+            return self.images.prepare(self._chat_ids(self.images.expand_text(text)), images)[0]
         if isinstance(prompt, str):
             if not prompt:
                 raise ValidationError("prompt must not be empty", "prompt")

@@ -125,6 +125,12 @@ def _image_input(composite: Any) -> ImageInput | None:
         side = int(patch[0] if isinstance(patch, list | tuple) else patch)
         return ImageInput("internvl", int(composite.image_token_id), side, extra_tokens=int(composite.image_seq_length),
                           image_marks=("<img>", "</img>"), tiles=True)  # fmt: skip
+    if composite.model_type == "gemma3":
+        vision = composite.vision_config
+        return ImageInput("gemma3", int(composite.image_token_id), int(vision.patch_size),
+                          extra_tokens=int(composite.mm_tokens_per_image),
+                          text_marks=("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
+                          bidirectional=True)  # fmt: skip
     if composite.model_type in ("idefics3", "smolvlm"):
         vision = composite.vision_config
         per_tile = (int(vision.image_size) // int(vision.patch_size)) ** 2 // int(composite.scale_factor) ** 2

@@ -305,7 +305,7 @@ def load_model(
         max_graph_batch=min(config.scheduler.max_num_seqs, config.max_cuda_graph_batch), tp=tp,
         state_slots=state_slots, state_snapshots=snapshots,
     )  # fmt: skip
-    vision = _load_vision(source, model, device, dtype, tp)
+    vision = _load_vision(source, model, device, dtype, tp, config.scheduler.max_num_batched_tokens)
     loaded = replace(loaded, draft=_load_draft(config, loaded), vision=vision)
     if config.lora is not None:
         slots = LoraSlots(source.config, config.lora.max_loras, config.lora.max_lora_rank, dtype, device)
@@ -321,13 +321,14 @@ def load_model(
 
 
 def _load_vision(
-    source: ModelSource, model: StepModel, device: torch.device, dtype: torch.dtype, tp: TensorParallel
+    source: ModelSource, model: StepModel, device: torch.device, dtype: torch.dtype, tp: TensorParallel,
+    max_num_batched_tokens: int,
 ) -> ImageEncoder | None:
     """The vision encoder of a checkpoint whose images are served (`multimodal.processing.images_refusal`: on one
     engine, not under tensor parallelism, with its image processor); None otherwise. ValueError where its text
     model's decoder is one that lays no image rows over its embeddings (only the shared `DecoderModel`'s forward
     does)."""
-    if images_refusal(source.config.multimodal, source.path, tp.size):
+    if images_refusal(source.config.multimodal, source.path, tp.size, max_num_batched_tokens):
         return None
     decoder = getattr(model, "model", None)
     if decoder is None or type(decoder).forward is not DecoderModel.forward:
@@ -336,6 +337,7 @@ def _load_vision(
             f"{type(decoder).__name__}; remove its preprocessor_config.json to serve its text model alone"
         )
     from engine_server.multimodal.llava import (  # (transformers' modules: only for these models)
+        Gemma3ImageEncoder,
         InternVLImageEncoder,
         LlavaImageEncoder,
         LlavaNextImageEncoder,
@@ -349,6 +351,7 @@ def _load_vision(
     encoders: dict[str, Any] = {
         "llava": LlavaImageEncoder, "mistral3": Mistral3ImageEncoder, "internvl": InternVLImageEncoder,
         "idefics3": TiledSiglipEncoder, "smolvlm": TiledSiglipEncoder, "llava_next": LlavaNextImageEncoder,
+        "gemma3": Gemma3ImageEncoder,
     }  # fmt: skip
     loaded: ImageEncoder = encoders.get(kind, QwenVisionEncoder).from_checkpoint(
         source.path, source.lazy_weights(), dtype, device

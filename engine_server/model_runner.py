@@ -30,7 +30,7 @@ from engine_server.decode_rows import DecodeRows
 from engine_server.lora.slots import LoraBatch
 from engine_server.model_loading import LoadedModel, capture_decode_graphs
 from engine_server.models import BertEncoder
-from engine_server.multimodal.features import ImageFeatures, step_mrope_positions
+from engine_server.multimodal.features import ImageFeatures, step_image_blocks, step_mrope_positions
 from engine_server.parallel.step_channel import PendingTokens, StepSender
 from engine_server.pooling.pooler import Pooler
 from engine_server.sampling import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenLogprobs
@@ -609,6 +609,7 @@ class ModelRunner:
             meta.image_embeds = self.image_features.step_rows(chunks)
             if mrope:
                 meta.mrope_positions = to_device(step_mrope_positions(chunks), self.device)
+            meta.image_blocks = step_image_blocks(chunks, [item.block_ids for item in scheduled], self.device)
         if self.state_slots:
             self._set_state_slots(meta, [item.request for item in scheduled], state_copies)
         host_ids, host_positions = (

@@ -83,6 +83,17 @@ _QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 _EVERY_ROW = 1 << 62  # no cap on a step's decode rows
 
 
+def whole_images(request: Request, start: int, num_new: int) -> int:
+    """`num_new` prompt tokens from `start` cut so that a chunk never ends inside an image whose tokens attend both
+    ways (`MultimodalInputs.bidirectional`: Gemma 3's): before the image, or, from inside it, 0 where the rest of it
+    does not fit (the request waits for a step with room for all of it)."""
+    images = request.multimodal
+    if images is None or not images.bidirectional or start >= request.num_prompt_tokens:
+        return num_new
+    end = images.image_ends(start, start + num_new)
+    return end - start if end <= start + num_new else 0
+
+
 class Scheduler:
     """Decides, every engine step, which tokens of which requests the model runs. Owns the KV cache manager.
 
@@ -299,6 +310,8 @@ class Scheduler:
                     num_new += num_drafts
             else:
                 num_new = min(remaining, budget, prefill_left)
+                if request.multimodal is not None:
+                    num_new = whole_images(request, start, num_new)
                 if num_new <= 0:
                     i += 1
                     continue
@@ -709,6 +722,10 @@ class Scheduler:
                     cached_blocks, restore = self._snapshot_hit(request, cached_blocks)
                     num_cached = len(cached_blocks) * self.kv_cache.block_size
                 num_new = min(request.num_tokens - num_cached, budget, prefill_left)
+                if request.multimodal is not None:
+                    num_new = whole_images(request, num_cached, num_new)
+                    if num_new <= 0:
+                        return budget  # its next image runs whole: it waits for a step with room for all of it
                 if self.snapshots is not None:
                     num_new = self._up_to_snapshot(request, num_cached, num_new)
                 if request.pooling is not None and request.pooling.bidirectional:

@@ -12,6 +12,7 @@ from torch import nn
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
 from engine_server.layers.alibi import alibi_slopes
+from engine_server.layers.image_blocks import attend_image_blocks
 from engine_server.layers.mlp import int8_rows
 from engine_server.layers.norm import HeadLayerNorm, RMSNorm, ShardedRMSNorm
 from engine_server.lora.slots import LayerLora
@@ -215,6 +216,9 @@ class PagedSelfAttention(nn.Module):
             if self.alibi
             else ops.paged_attention(q, kv_cache, attend, self.scale, self.window, self.softcap, self.sinks)
         )  # fmt: skip
+        if meta.image_blocks:  # (Gemma 3's images: their tokens attend to each other both ways)
+            heads = out.reshape(tokens, self.num_heads, self.head_dim)
+            out = attend_image_blocks(q, heads, kv_cache, meta.image_blocks, self.scale, self.window, self.softcap)
         out = out.reshape(tokens, self.q_size)
         if gate is not None:
             out = ops.sigmoid_mul(out, gate.reshape(tokens, self.q_size))

@@ -560,7 +560,9 @@ class DecoderModel(nn.Module):
             width = hidden.shape[1]
             hidden = hidden.index_copy(0, rows, embeds[:, :width].to(hidden.dtype))
             deepstack = [embeds[:, width * (i + 1) : width * (i + 2)] for i in range(self.deepstack_layers)]
-        stack = self.decode_stack if meta.mrope_positions is None and not deepstack else None  # (rope: the table's)
+        # (Not with M-RoPE's table, DeepStack's adds or images attended both ways: the layers do those.)
+        plain = meta.mrope_positions is None and not deepstack and not meta.image_blocks
+        stack = self.decode_stack if plain else None
         if stack is not None and (lora is None or lora.weights is self.decode_stack_lora):
             # Prompt tokens go in as decode rows of their own (`token_rows`), as the layers' attention takes them.
             tables, lens = (meta.block_tables, meta.seq_lens) if meta.max_query_len == 1 else meta.token_rows

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from engine_server.core.request import Request
+from engine_server.layers.image_blocks import ImageBlock
 from engine_server.multimodal.inputs import ImageSpan
 
 
@@ -101,3 +102,27 @@ def step_mrope_positions(chunks: Sequence[tuple[Request, int, int]]) -> torch.Te
         if end > prompt:
             pieces.append(torch.arange(max(start, prompt), end).expand(3, -1) + images.position_delta)
     return torch.cat(pieces, dim=1)
+
+
+def step_image_blocks(
+    chunks: Sequence[tuple[Request, int, int]], tables: Sequence[list[int]], device: torch.device
+) -> list[ImageBlock] | None:
+    """The images a step computes whose tokens attend both ways (`MultimodalInputs.bidirectional`), `chunks` as
+    `step_rows` takes them and `tables` their requests' block tables: each image's tokens in the step (its rows, their
+    positions, the image's end); None for none. A chunk never ends inside such an image (`core.scheduler`)."""
+    blocks: list[ImageBlock] = []
+    base = 0
+    for (request, start, count), table in zip(chunks, tables, strict=True):
+        images = request.multimodal
+        if images is not None and images.bidirectional and start < request.num_prompt_tokens:
+            for image in images.images:
+                first, last = max(start, image.offset), min(start + count, image.end)
+                if first < last:
+                    assert last == image.end, "a chunk never ends inside an image whose tokens attend both ways"
+                    rows = torch.arange(base + first - start, base + last - start, device=device)
+                    positions = torch.arange(first, last, device=device)
+                    block_table = torch.tensor(table, dtype=torch.long, device=device)
+                    blocks.append(ImageBlock(rows, positions, image.end, block_table))
+        base += count
+    return blocks or None
+

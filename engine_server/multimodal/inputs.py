@@ -68,6 +68,17 @@ class MultimodalInputs:
     images: tuple[ImageSpan, ...]
     positions: torch.Tensor | None = None
     position_delta: int = 0
+    # Gemma 3's: an image's tokens attend to each other both ways (each to its image's later tokens too), so a prefill
+    # chunk never ends inside an image (`core.scheduler`) and the layers attend its rows again (`layers.image_blocks`).
+    bidirectional: bool = False
+
+    def image_ends(self, start: int, end: int) -> int:
+        """Where a chunk `[start, end)` of a bidirectional prompt may end: `end`, unless it would cut an image; then
+        before that image (where it starts after `start`), or after it (where `start` is inside it)."""
+        for image in self.images:
+            if image.offset < end < image.end:
+                return image.offset if image.offset > start else image.end
+        return end
 
     @cached_property
     def digest(self) -> bytes:

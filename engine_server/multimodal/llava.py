@@ -202,3 +202,29 @@ class LlavaNextImageEncoder(nn.Module):
         packed, _ = pack(self, [features], torch.tensor([list(grid)]), self.strategy, image_newline=self.image_newline)
         result: torch.Tensor = packed[0]
         return result
+
+
+class Gemma3ImageEncoder(nn.Module):
+    """Gemma 3's images: SigLIP's last hidden states, average-pooled to `mm_tokens_per_image` tokens, normed and
+    projected (`Gemma3MultiModalProjector`), as transformers' `Gemma3Model` computes them."""
+
+    def __init__(self, composite: Any) -> None:
+        super().__init__()
+        from transformers import AutoModel
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+        self.vision_tower = AutoModel.from_config(composite.vision_config)
+        self.multi_modal_projector = Gemma3MultiModalProjector(composite)
+
+    @classmethod
+    def from_checkpoint(
+        cls, folder: Path, weights: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype, device: torch.device
+    ) -> Gemma3ImageEncoder:
+        """The encoder of the checkpoint in `folder`, loaded from `weights` (as `LlavaImageEncoder`'s)."""
+        return load_encoder(cls, folder, weights, _PARTS, dtype, device)
+
+    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
+        """One image's `[3, H, W]` -> its `mm_tokens_per_image` tokens' embeddings."""
+        states = self.vision_tower(pixel_values=pixel_values.unsqueeze(0), return_dict=True).last_hidden_state
+        projected: torch.Tensor = self.multi_modal_projector(states)[0]
+        return projected

@@ -83,11 +83,22 @@ class ImageProcessing:
             processing.tokenizer = tokenizer
         return processing
 
+    def expand_text(self, text: str) -> str:
+        """The prompt text with each image's mark replaced by its tokens' text, where the model's processor expands
+        images in the text (`ImageInput.text_marks`: Gemma 3's); else `text` as it is."""
+        if self.spec.text_marks is None:
+            return text
+        start, image, end = self.spec.text_marks
+        return text.replace(start, f"\n\n{start}{image * self.spec.extra_tokens}{end}\n\n")
+
     def prepare(self, token_ids: Sequence[int], images: Sequence[PromptImage]) -> tuple[list[int], MultimodalInputs]:
-        """`token_ids` with each image's placeholder expanded to its tokens, and the images as the encoder takes them.
+        """`token_ids` with each image's placeholder expanded to its tokens (where the text was expanded already,
+        `expand_text`, each run of image tokens is an image's), and the images as the encoder takes them.
         ValidationError for a file that is no image, one too large, or a prompt whose placeholders do not match the
         images one for one (a turn's text that spells the placeholder itself)."""
         image_token = self.spec.image_token_id
+        if self.spec.text_marks is not None:
+            return self._prepare_expanded(token_ids, images)
         places = [i for i, token in enumerate(token_ids) if token == image_token]
         if len(places) != len(images):
             raise ValidationError(
@@ -108,6 +119,26 @@ class ImageProcessing:
             return out, MultimodalInputs(tuple(spans))
         positions, delta = mrope_positions(len(out), spans, self.spec.merge_size)
         return out, MultimodalInputs(tuple(spans), positions, delta)
+
+    def _prepare_expanded(
+        self, token_ids: Sequence[int], images: Sequence[PromptImage]
+    ) -> tuple[list[int], MultimodalInputs]:
+        """`prepare` of a prompt whose text was expanded (`expand_text`): each run of `extra_tokens` image tokens is
+        the next image's."""
+        image_token, count = self.spec.image_token_id, self.spec.extra_tokens
+        ids = list(token_ids)
+        starts = [i for i, token in enumerate(ids) if token == image_token and (i == 0 or ids[i - 1] != token)]
+        runs_whole = all(ids[s : s + count] == [image_token] * count for s in starts)
+        if len(starts) != len(images) or not runs_whole or ids.count(image_token) != count * len(images):
+            raise ValidationError(
+                f"the prompt's image tokens do not lay out {len(images)} images of {count} tokens: a message's text "
+                "may not spell the model's image marks itself", "messages",
+            )  # fmt: skip
+        spans = []
+        for start, image in zip(starts, images, strict=True):
+            pixels = self._processed(image)["pixel_values"][0]
+            spans.append(ImageSpan(start, count, pixels, image_digest(image.data)))
+        return ids, MultimodalInputs(tuple(spans), bidirectional=self.spec.bidirectional)
 
     def _laid_out(
         self, processed: Any
@@ -215,19 +246,25 @@ def _mark_ids(marks: tuple[str, str] | None, tokenizer: Any, folder: Path) -> tu
 
 
 def served_images(
-    multimodal: MultimodalCheckpoint | None, folder: Path, tensor_parallel_size: int = 1, tokenizer: Any = None
+    multimodal: MultimodalCheckpoint | None, folder: Path, tensor_parallel_size: int = 1, tokenizer: Any = None,
+    max_num_batched_tokens: int | None = None,
 ) -> tuple[ImageProcessing | None, str]:
     """How the model in `folder` (its `ModelConfig.multimodal`; its `tokenizer`) reads images on an engine of
-    `tensor_parallel_size` ranks, and the refusal of a turn with an image where it reads none (`images_refusal`)."""
-    refusal = images_refusal(multimodal, folder, tensor_parallel_size)
+    `tensor_parallel_size` ranks and steps of at most `max_num_batched_tokens`, and the refusal of a turn with an
+    image where it reads none (`images_refusal`)."""
+    refusal = images_refusal(multimodal, folder, tensor_parallel_size, max_num_batched_tokens)
     if refusal or multimodal is None or multimodal.images is None:
         return None, refusal
     return ImageProcessing.for_model(multimodal.images, folder, tokenizer), ""
 
 
-def images_refusal(multimodal: MultimodalCheckpoint | None, folder: Path, tensor_parallel_size: int = 1) -> str:
-    """Why the model in `folder` reads no images on an engine of `tensor_parallel_size` ranks; "" where it reads them
-    (then its vision encoder loads: `engine_server.model_loading`)."""
+def images_refusal(
+    multimodal: MultimodalCheckpoint | None, folder: Path, tensor_parallel_size: int = 1,
+    max_num_batched_tokens: int | None = None,
+) -> str:  # fmt: skip
+    """Why the model in `folder` reads no images on an engine of `tensor_parallel_size` ranks whose steps take at most
+    `max_num_batched_tokens` (None: no cap); "" where it reads them (then its vision encoder loads:
+    `engine_server.model_loading`)."""
     if multimodal is None:
         return "this model reads no images; send text alone"
     if multimodal.images is None:
@@ -236,4 +273,8 @@ def images_refusal(multimodal: MultimodalCheckpoint | None, folder: Path, tensor
         return "images are not served under tensor parallelism yet; send text alone, or serve on one rank"
     if not (folder / _PROCESSOR_CONFIG).is_file():
         return f"this checkpoint has no image processor ({_PROCESSOR_CONFIG}) to read images with; send text alone"
+    images = multimodal.images
+    if images.bidirectional and max_num_batched_tokens is not None and max_num_batched_tokens < images.extra_tokens:
+        return (f"an image's {images.extra_tokens} tokens run in one step on this model, more than this engine's "
+                f"--max-num-batched-tokens {max_num_batched_tokens}; send text alone, or raise it")  # fmt: skip
     return ""

@@ -350,14 +350,13 @@ def test_an_image_is_encoded_once_for_the_requests_that_share_it_and_forgotten_a
     assert features.num_images == 0
 
 
-@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl", "gemma3"])
 def test_the_quantized_default_reads_images_batch_invariantly(kind: str, tmp_path: Path) -> None:
     """On the CPU's default path (int8 text model, the decode stack; the tower in float) image prompts run, and each
     prompt's tokens alone equal its tokens batched with the others."""
-    if kind == "llava":
-        save_llava(tmp_path)
-    else:
-        save_qwen_vl(tmp_path, kind)
+    savers = {"llava": save_llava, "qwen2_5_vl": lambda folder: save_qwen_vl(folder, "qwen2_5_vl"),
+              "gemma3": save_gemma3}  # fmt: skip
+    savers[kind](tmp_path)
     prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
     with engine(tmp_path, quantization="int8") as llm:
         assert llm.core.runner.quantization == "int8" and llm.core.runner.image_features is not None
@@ -707,3 +706,61 @@ def test_a_llava_next_checkpoint_answers_image_prompts_as_transformers_does(tmp_
     inputs = [llava_next_inputs(tmp_path, prompt) for prompt in prompts]
     assert inputs[0]["pixel_values"].shape[1] > 2  # (an image of several tiles beside its base view)
     assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
+
+
+# Gemma 3 over a tiny SigLIP (56 pixels, 4 x 4 patches of 14: 16 tokens an image) beside the family tests' Gemma 3
+# text model, its windows narrowed to 8 tokens: an image's tokens attend to each other both ways, within the window on
+# the windowed layers.
+GEMMA3_TEMPLATE = (
+    "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{% for part in m['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% elif part['type'] == 'image' %}<start_of_image>{% endif %}"
+    "{% endfor %}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+_GEMMA3_MARKS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>", "<start_of_turn>", "<end_of_turn>"]
+_GEMMA3_SIGLIP = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                  "patch_size": 14, "image_size": 56}  # fmt: skip
+
+
+def save_gemma3(folder: Path) -> Any:
+    """A tiny Gemma 3 checkpoint that reads images, saved in `folder` as transformers saves it; returns the model."""
+    import transformers
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from tests.families import FAMILIES
+
+    boi, soft, eoi = vision_tokenizer(folder, _GEMMA3_MARKS, GEMMA3_TEMPLATE).convert_tokens_to_ids(_GEMMA3_MARKS[:3])
+    text = {**_SHAPE, "model_type": "gemma3_text", **FAMILIES["gemma3"][1], "sliding_window": 8, "vocab_size": eoi + 8}
+    config = transformers.Gemma3Config(text_config=text, vision_config=_GEMMA3_SIGLIP, mm_tokens_per_image=16,
+                                       image_token_index=soft, boi_token_index=boi, eoi_token_index=eoi)  # fmt: skip
+    model = save_drawn(folder, transformers.Gemma3ForConditionalGeneration, config, wide_encoder, (0.08, 0.3))
+    Gemma3ImageProcessorPil(size={"height": 56, "width": 56}).save_pretrained(folder)
+    return model
+
+
+def gemma3_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor]:
+    """transformers' `Gemma3Processor` inputs for `prompt` (with its image token type ids, which give the model its
+    images' two-way mask)."""
+    from transformers import AutoImageProcessor, Gemma3Processor
+
+    tokenizer, text, images = rendered(folder, prompt, GEMMA3_TEMPLATE)
+    for name, mark in zip(("boi_token", "image_token", "eoi_token"), _GEMMA3_MARKS, strict=False):
+        setattr(tokenizer, name, mark)  # (a Gemma 3 tokenizer's own names for its image marks)
+        setattr(tokenizer, f"{name}_id", tokenizer.convert_tokens_to_ids(mark))
+    processor = Gemma3Processor(AutoImageProcessor.from_pretrained(folder, backend="pil"), tokenizer,
+                                image_seq_length=16)  # fmt: skip
+    inputs: dict[str, torch.Tensor] = processor(text=text, images=images or None, return_tensors="pt",
+                                                add_special_tokens=False)  # fmt: skip
+    return inputs
+
+
+def test_a_gemma3_checkpoint_answers_image_prompts_as_transformers_does(tmp_path: Path) -> None:
+    """Gemma 3 (an image's tokens attend to each other both ways; on the windowed layers within the window): the
+    prompt's ids are its processor's; prompts with one image, two and none, batched, whole and in chunks of 20 (a
+    chunk ends before an image or after it, never inside), answer as transformers does. An engine whose steps take
+    fewer tokens than an image refuses images, saying so."""
+    model = save_gemma3(tmp_path)
+    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    inputs = [gemma3_inputs(tmp_path, prompt) for prompt in prompts]
+    assert_serves_like(tmp_path, model, prompts, inputs, (2048, 20))
+    with engine(tmp_path, chunk=8) as llm, pytest.raises(ValidationError, match="16 tokens run in one step"):
+        llm.chat(prompts[:1], GREEDY, use_tqdm=False)
