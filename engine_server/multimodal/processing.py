@@ -55,9 +55,9 @@ class ImageProcessing:
         self.max_image_pixels = max_image_pixels
         self.row_marks = row_marks
         self.image_marks = image_marks
-        # Idefics 3's and SmolVLM's layouts are text the tokenizer reads, LLaVA-NeXT's its processor lays out
-        # (`for_model`): that tokenizer, or processor.
-        self.tokenizer: Any = None
+        # What lays an image's tokens out where the model's own does (`for_model`): Idefics 3's and SmolVLM's
+        # tokenizer (their layouts are text), LLaVA-NeXT's processor.
+        self.layout: Any = None
 
     @classmethod
     def for_model(cls, spec: ImageInput, folder: Path, tokenizer: Any = None) -> ImageProcessing:
@@ -73,14 +73,14 @@ class ImageProcessing:
 
             if tokenizer is None:
                 raise ValueError("LLaVA-NeXT images need the tokenizer for their layout")
-            processing.tokenizer = LlavaNextProcessor(
+            processing.layout = LlavaNextProcessor(
                 processor, tokenizer, patch_size=spec.patch_size, vision_feature_select_strategy="full",
                 num_additional_image_tokens=spec.extra_tokens,
             )  # fmt: skip
         if spec.split_rows:
             if tokenizer is None:
                 raise ValueError(f"{spec.encoder} images need the tokenizer for their prompt text")
-            processing.tokenizer = tokenizer
+            processing.layout = tokenizer
         return processing
 
     def expand_text(self, text: str) -> str:
@@ -182,7 +182,7 @@ class ImageProcessing:
         special token, so it reads as it would in the prompt); the image tokens' runs, one a tile."""
         from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
 
-        tokenizer, image_token = self.tokenizer, self.spec.image_token_id
+        tokenizer, image_token = self.layout, self.spec.image_token_id
         text = get_image_prompt_string(
             int(processed["rows"][0][0]), int(processed["cols"][0][0]), self.spec.extra_tokens,
             getattr(tokenizer, "fake_image_token", "<fake_token_around_image>"),
@@ -221,8 +221,8 @@ class ImageProcessing:
                 f"the image cannot be read ({error}); send a PNG, JPEG, WebP, GIF or BMP file", image.param
             ) from None
         if self.spec.encoder == "llava_next":  # (its processor: the tiles and the placeholder's expansion alike)
-            placeholder = self.tokenizer.tokenizer.convert_ids_to_tokens(self.spec.image_token_id)
-            return self.tokenizer(text=placeholder, images=[rgb], return_tensors="pt", add_special_tokens=False)
+            placeholder = self.layout.tokenizer.convert_ids_to_tokens(self.spec.image_token_id)
+            return self.layout(text=placeholder, images=[rgb], return_tensors="pt", add_special_tokens=False)
         if self.spec.split_rows:  # (Idefics 3's and SmolVLM's: with its rows and columns of tiles)
             return self.processor(images=[[rgb]], return_tensors="pt", return_row_col_info=True)
         if self.spec.tiles:  # (InternVL's: tiles and a thumbnail, as its processor asks)

@@ -213,7 +213,7 @@ def test_an_image_too_large_is_refused_before_it_is_decoded(served: LLM) -> None
 
 
 def test_a_model_that_reads_no_images_refuses_one(tmp_path: Path) -> None:
-    """A text model refuses an image turn by name; a LLaVA-NeXT checkpoint (its text model served) says its images
+    """A text model refuses an image turn by name; a LLaVA-OneVision checkpoint (its text model served) says its images
     are not yet."""
     from tests.families import save_family
     from tests.unit.test_multimodal_text_models import _multimodal, _saved
@@ -222,9 +222,9 @@ def test_a_model_that_reads_no_images_refuses_one(tmp_path: Path) -> None:
     with engine(text_model) as llm, pytest.raises(ValidationError, match="reads no images") as refused:
         llm.chat([user("Hi", png(1))], GREEDY, use_tqdm=False)
     assert refused.value.param == "messages[0].content[1]"
-    _saved(_multimodal("llava_next"), tmp_path / "next")
-    assert json.loads((tmp_path / "next" / "config.json").read_text())["model_type"] == "llava_next"
-    with engine(tmp_path / "next") as llm, pytest.raises(ValidationError, match="not served for llava_next"):
+    _saved(_multimodal("llava_onevision"), tmp_path / "onevision")
+    assert json.loads((tmp_path / "onevision" / "config.json").read_text())["model_type"] == "llava_onevision"
+    with engine(tmp_path / "onevision") as llm, pytest.raises(ValidationError, match="not served for llava_onevision"):
         llm.chat([user("Hi", png(1))], GREEDY, use_tqdm=False)
 
 
