@@ -83,15 +83,19 @@ _QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 _EVERY_ROW = 1 << 62  # no cap on a step's decode rows
 
 
-def whole_images(request: Request, start: int, num_new: int) -> int:
-    """`num_new` prompt tokens from `start` cut so that a chunk never ends inside an image whose tokens attend both
-    ways (`MultimodalInputs.bidirectional`: Gemma 3's): before the image, or, from inside it, 0 where the rest of it
+def whole_images(request: Request, start: int, num_new: int, room: int) -> int:
+    """`num_new` prompt tokens from `start` (what the step's prefill allowance gives) fitted so that a chunk never ends
+    inside an image whose tokens attend both ways (`MultimodalInputs.bidirectional`: Gemma 3's): cut before the image,
+    or, from inside it, stretched to its end where that fits `room` (the step's token budget, which an image may take
+    past a BATCH prefill allowance, so that no allowance smaller than an image holds it back for good); 0 where it
     does not fit (the request waits for a step with room for all of it)."""
     images = request.multimodal
     if images is None or not images.bidirectional or start >= request.num_prompt_tokens:
         return num_new
     end = images.image_ends(start, start + num_new)
-    return end - start if end <= start + num_new else 0
+    if end <= start + num_new:
+        return end - start
+    return end - start if end - start <= room else 0
 
 
 class Scheduler:
@@ -311,7 +315,7 @@ class Scheduler:
             else:
                 num_new = min(remaining, budget, prefill_left)
                 if request.multimodal is not None:
-                    num_new = whole_images(request, start, num_new)
+                    num_new = whole_images(request, start, num_new, min(remaining, budget))
                 if num_new <= 0:
                     i += 1
                     continue
@@ -723,7 +727,7 @@ class Scheduler:
                     num_cached = len(cached_blocks) * self.kv_cache.block_size
                 num_new = min(request.num_tokens - num_cached, budget, prefill_left)
                 if request.multimodal is not None:
-                    num_new = whole_images(request, num_cached, num_new)
+                    num_new = whole_images(request, num_cached, num_new, min(request.num_tokens - num_cached, budget))
                     if num_new <= 0:
                         return budget  # its next image runs whole: it waits for a step with room for all of it
                 if self.snapshots is not None:

@@ -764,3 +764,24 @@ def test_a_gemma3_checkpoint_answers_image_prompts_as_transformers_does(tmp_path
     assert_serves_like(tmp_path, model, prompts, inputs, (2048, 20))
     with engine(tmp_path, chunk=8) as llm, pytest.raises(ValidationError, match="16 tokens run in one step"):
         llm.chat(prompts[:1], GREEDY, use_tqdm=False)
+
+
+def test_a_chunk_never_ends_inside_an_image_that_attends_both_ways() -> None:
+    """The scheduler's chunk of a prompt whose images attend both ways (Gemma 3's): cut before an image; from an image's
+    start (or inside it, after a prefix-cache hit) stretched to its end past a smaller prefill allowance where the
+    step's budget holds it, else none; an image that attends causally is cut anywhere."""
+    from engine_server.core.request import Request
+    from engine_server.core.scheduler import whole_images
+    from engine_server.multimodal.inputs import ImageSpan, MultimodalInputs
+
+    span = ImageSpan(10, 16, torch.zeros(3, 2, 2), b"digest")
+    request = Request("r", list(range(40)), GREEDY, max_model_len=256,
+                      multimodal=MultimodalInputs((span,), bidirectional=True))  # fmt: skip
+    assert whole_images(request, 0, 8, 40) == 8  # (ends before the image)
+    assert whole_images(request, 0, 12, 40) == 10  # (would end inside it: cut before it)
+    assert whole_images(request, 10, 8, 40) == 16  # (from its start: the whole image, past the allowance of 8)
+    assert whole_images(request, 16, 4, 40) == 10  # (from inside it: its rest)
+    assert whole_images(request, 10, 8, 12) == 0  # (the budget does not hold it: the request waits)
+    assert whole_images(request, 10, 30, 40) == 30  # (the image and more)
+    causal = Request("c", list(range(40)), GREEDY, max_model_len=256, multimodal=MultimodalInputs((span,)))
+    assert whole_images(causal, 0, 12, 40) == 12
