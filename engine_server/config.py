@@ -31,7 +31,8 @@ _O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = (
 @dataclass(frozen=True)
 class ImageInput:
     """How a multimodal checkpoint whose images are served reads them (`engine_server.multimodal`): its vision
-    encoder (`encoder`: "llava", a tower's hidden states through LLaVA's projector; "llava_next", the same over its
+    encoder (`encoder`: "llava", a tower's hidden states through LLaVA's projector ("aya_vision": Aya Vision's, over
+    its tiles); "llava_next", the same over its
     image's tiles (any resolution: its processor's grid), unpadded, a newline after each row; "mistral3", Pixtral's
     through Mistral 3's patch merger; "internvl", InternViT's pixel-shuffled through InternVL's projector, a tile at a
     time; "idefics3" or "smolvlm", SigLIP's through the pixel-shuffle connector, a tile at a time; "qwen2_vl",
@@ -68,6 +69,9 @@ class ImageInput:
     # image's tokens attend to each other both ways (`bidirectional`), as its model's mask has them.
     text_marks: tuple[str, str, str] | None = None
     bidirectional: bool = False
+    # Aya Vision's: the chat template's placeholder where it is not the image token (`<image>`, expanded by its
+    # processor into tiles of `<|IMG_PATCH|>` tokens, the image token).
+    placeholder: str | None = None
 
     def tokens_per_image(self, height: int, width: int) -> int:
         """Placeholder tokens of an image processed to `height` x `width` pixels (LLaVA's processor's count)."""

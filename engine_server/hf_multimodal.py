@@ -100,11 +100,11 @@ def multimodal_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], Multimo
 
 
 def _image_input(composite: Any) -> ImageInput | None:
-    """How a checkpoint whose images are served reads them: LLaVA's and LLaVA-NeXT's over a CLIP or SigLIP tower,
-    whose class token (CLIP's) the "default" feature strategy drops; Mistral 3's over Pixtral; InternVL's, Idefics 3's
-    and SmolVLM's tiles; the Qwen-VL kinds' (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE; GLM-4.1V, 4.5V and 4.6V),
-    their text model's M-RoPE sections (Qwen3-VL's interleaved) and Qwen3-VL's DeepStack layers. None for every other
-    kind (text prompts alone)."""
+    """How a checkpoint whose images are served reads them: LLaVA's, LLaVA-NeXT's and Aya Vision's over a CLIP or
+    SigLIP tower, whose class token (CLIP's) the "default" feature strategy drops; Gemma 3's; Mistral 3's over Pixtral;
+    InternVL's, Idefics 3's and SmolVLM's tiles; the Qwen-VL kinds' (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE;
+    GLM-4.1V, 4.5V and 4.6V), their text model's M-RoPE sections (Qwen3-VL's interleaved) and Qwen3-VL's DeepStack
+    layers. None for every other kind (text prompts alone)."""
     if composite.model_type in _QWEN_VL:
         vision = composite.vision_config
         rope = composite.get_text_config(decoder=True).rope_parameters or {}
@@ -136,6 +136,9 @@ def _image_input(composite: Any) -> ImageInput | None:
         per_tile = (int(vision.image_size) // int(vision.patch_size)) ** 2 // int(composite.scale_factor) ** 2
         return ImageInput(composite.model_type, int(composite.image_token_id), int(vision.patch_size),
                           extra_tokens=per_tile, split_rows=True)  # fmt: skip
+    if composite.model_type == "aya_vision" and composite.vision_config.model_type == "siglip_vision_model":
+        return ImageInput("aya_vision", int(composite.image_token_id), int(composite.vision_config.patch_size),
+                          merge_size=int(composite.downsample_factor), placeholder="<image>")  # fmt: skip
     if composite.model_type not in ("llava", "llava_next"):
         return None
     vision = composite.vision_config

@@ -351,7 +351,7 @@ def _load_vision(
     encoders: dict[str, Any] = {
         "llava": LlavaImageEncoder, "mistral3": Mistral3ImageEncoder, "internvl": InternVLImageEncoder,
         "idefics3": TiledSiglipEncoder, "smolvlm": TiledSiglipEncoder, "llava_next": LlavaNextImageEncoder,
-        "gemma3": Gemma3ImageEncoder,
+        "gemma3": Gemma3ImageEncoder, "aya_vision": LlavaImageEncoder,
     }  # fmt: skip
     loaded: ImageEncoder = encoders.get(kind, QwenVisionEncoder).from_checkpoint(
         source.path, source.lazy_weights(), dtype, device

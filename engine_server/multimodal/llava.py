@@ -23,15 +23,19 @@ _PARTS = ("vision_tower.", "multi_modal_projector.")
 
 
 class LlavaImageEncoder(nn.Module):
-    """pixel values `[N, 3, H, W]` -> `[N, tokens, text hidden]` (`ImageInput.tokens_per_image` tokens an image)."""
+    """pixel values `[N, 3, H, W]` -> `[N, tokens, text hidden]` (`ImageInput.tokens_per_image` tokens an image).
+    Aya Vision's the same over an image's tiles, through its own projector (pixel shuffle, SwiGLU)."""
 
     def __init__(self, composite: Any) -> None:
         super().__init__()
         from transformers import AutoModel
+        from transformers.models.aya_vision.modeling_aya_vision import AyaVisionMultiModalProjector
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
+        aya = composite.model_type == "aya_vision"
+        projector: Any = AyaVisionMultiModalProjector if aya else LlavaMultiModalProjector
         self.vision_tower = AutoModel.from_config(composite.vision_config)
-        self.multi_modal_projector = LlavaMultiModalProjector(composite)
+        self.multi_modal_projector = projector(composite)
         self.feature_layers: int | list[int] = composite.vision_feature_layer
         self.drops_class_token = composite.vision_feature_select_strategy == "default"
 
@@ -44,8 +48,11 @@ class LlavaImageEncoder(nn.Module):
         return load_encoder(cls, folder, weights, _PARTS, dtype, device)
 
     def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
-        """One image's `[3, H, W]` -> its tokens' embeddings `[tokens, text hidden]` (`ImageEncoder`)."""
-        return self(pixel_values.unsqueeze(0))[0]
+        """One image's `[3, H, W]` (Aya Vision's tiles `[n, 3, H, W]`) -> its tokens' embeddings `[tokens, text
+        hidden]`, its tiles' in order (`ImageEncoder`)."""
+        batch = pixel_values if pixel_values.dim() == 4 else pixel_values.unsqueeze(0)
+        features: torch.Tensor = self(batch)
+        return features.reshape(-1, features.shape[-1])
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         out = self.vision_tower(pixel_values, output_hidden_states=True, return_dict=True)

@@ -28,6 +28,8 @@ from engine_server.multimodal.qwen_vl import mrope_positions
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
 _FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _PROCESSOR_CONFIG = "preprocessor_config.json"
+# The kinds whose own processor lays an image's tokens out (`_layout_processor`).
+_PROCESSOR_LAYOUTS = ("llava_next", "aya_vision")
 
 
 @dataclass(frozen=True)
@@ -68,15 +70,10 @@ class ImageProcessing:
         processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
         rows, image = _mark_ids(spec.row_marks, tokenizer, folder), _mark_ids(spec.image_marks, tokenizer, folder)
         processing = cls(spec, processor, row_marks=rows, image_marks=image)
-        if spec.encoder == "llava_next":  # (its processor lays an image's tokens out: as many as its tiles unpad to)
-            from transformers import LlavaNextProcessor
-
+        if spec.encoder in _PROCESSOR_LAYOUTS:  # (its processor lays an image's tokens out)
             if tokenizer is None:
-                raise ValueError("LLaVA-NeXT images need the tokenizer for their layout")
-            processing.layout = LlavaNextProcessor(
-                processor, tokenizer, patch_size=spec.patch_size, vision_feature_select_strategy="full",
-                num_additional_image_tokens=spec.extra_tokens,
-            )  # fmt: skip
+                raise ValueError(f"{spec.encoder} images need the tokenizer for their layout")
+            processing.layout = _layout_processor(spec, processor, tokenizer)
         if spec.split_rows:
             if tokenizer is None:
                 raise ValueError(f"{spec.encoder} images need the tokenizer for their prompt text")
@@ -99,7 +96,10 @@ class ImageProcessing:
         image_token = self.spec.image_token_id
         if self.spec.text_marks is not None:
             return self._prepare_expanded(token_ids, images)
-        places = [i for i, token in enumerate(token_ids) if token == image_token]
+        placeholder = image_token
+        if self.spec.placeholder is not None:
+            placeholder = int(self.layout.tokenizer.convert_tokens_to_ids(self.spec.placeholder))
+        places = [i for i, token in enumerate(token_ids) if token == placeholder]
         if len(places) != len(images):
             raise ValidationError(
                 f"the prompt holds {len(places)} image placeholders for {len(images)} images: a message's text may "
@@ -154,10 +154,12 @@ class ImageProcessing:
             return [image_token] * (size[0] * size[1] * size[2] // merge**2), (), pixels, size
         if self.spec.split_rows:  # Idefics 3's and SmolVLM's: the processor's text for its rows of tiles
             return self._split_rows(processed)
-        if self.spec.encoder == "llava_next":  # the processor's own layout, and the image's size beside its tiles
+        if self.spec.encoder in _PROCESSOR_LAYOUTS:  # the processor's own layout (LLaVA-NeXT's: the image's size)
             tokens = [int(t) for t in processed["input_ids"][0]]
-            height, width = (int(n) for n in processed["image_sizes"][0])
-            return tokens, (), processed["pixel_values"][0], (height, width)
+            sizes = processed.get("image_sizes")
+            original = None if sizes is None else (int(sizes[0][0]), int(sizes[0][1]))
+            pixels = pixels[0] if pixels.dim() == 5 else pixels  # (LLaVA-NeXT's `[1, n, 3, H, W]`; Aya's `[n, ...]`)
+            return tokens, _image_runs(tokens, image_token), pixels, original
         if self.image_marks is not None:  # InternVL's: its tiles' tokens between its start and end tokens
             count = self.spec.extra_tokens * int(pixels.shape[0])
             start, end = self.image_marks
@@ -189,14 +191,7 @@ class ImageProcessing:
             getattr(tokenizer, "image_token", "<image>"), getattr(tokenizer, "global_image_token", "<global-img>"),
         )  # fmt: skip
         tokens = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
-        runs, start = [], None
-        for index, token in enumerate([*tokens, -1]):
-            if token == image_token and start is None:
-                start = index
-            elif token != image_token and start is not None:
-                runs.append((start, index - start))
-                start = None
-        return tokens, tuple(runs), processed["pixel_values"][0], None
+        return tokens, _image_runs(tokens, image_token), processed["pixel_values"][0], None
 
     def _processed(self, image: PromptImage) -> Any:
         """The processor's output for one image file (its first frame): `pixel_values`, and the Qwen-VL processors'
@@ -220,8 +215,8 @@ class ImageProcessing:
             raise ValidationError(
                 f"the image cannot be read ({error}); send a PNG, JPEG, WebP, GIF or BMP file", image.param
             ) from None
-        if self.spec.encoder == "llava_next":  # (its processor: the tiles and the placeholder's expansion alike)
-            placeholder = self.layout.tokenizer.convert_ids_to_tokens(self.spec.image_token_id)
+        if self.spec.encoder in _PROCESSOR_LAYOUTS:  # (its processor: the tiles and the placeholder's expansion alike)
+            placeholder = self.spec.placeholder or self.layout.tokenizer.convert_ids_to_tokens(self.spec.image_token_id)
             return self.layout(text=placeholder, images=[rgb], return_tensors="pt", add_special_tokens=False)
         if self.spec.split_rows:  # (Idefics 3's and SmolVLM's: with its rows and columns of tiles)
             return self.processor(images=[[rgb]], return_tensors="pt", return_row_col_info=True)
@@ -231,6 +226,34 @@ class ImageProcessing:
             side = self.spec.patch_size * self.spec.merge_size
             return self.processor(images=[rgb], return_tensors="pt", patch_size=side)
         return self.processor(images=[rgb], return_tensors="pt")
+
+
+def _layout_processor(spec: ImageInput, image_processor: Any, tokenizer: Any) -> Any:
+    """The model's own processor, which lays an image's tokens out (`_PROCESSOR_LAYOUTS`), over its PIL image processor
+    and `tokenizer`, its sizes the model's: LLaVA-NeXT's (as many tokens as its tiles unpad to), Aya Vision's (tiles
+    of `<|IMG_PATCH|>` tokens after their tile tokens, then the global view's)."""
+    import transformers
+
+    if spec.encoder == "llava_next":
+        return transformers.LlavaNextProcessor(
+            image_processor, tokenizer, patch_size=spec.patch_size, vision_feature_select_strategy="full",
+            num_additional_image_tokens=spec.extra_tokens,
+        )  # fmt: skip
+    side = int(image_processor.size["height"])  # (Aya Vision's tiles: the tower's image size)
+    return transformers.AyaVisionProcessor(image_processor, tokenizer, img_size=side,
+                                           patch_size=spec.patch_size * spec.merge_size)  # fmt: skip
+
+
+def _image_runs(tokens: Sequence[int], image_token: int) -> tuple[tuple[int, int], ...]:
+    """The runs (offset, length) of `image_token` in an image's `tokens`."""
+    runs, start = [], None
+    for index, token in enumerate([*tokens, -1]):
+        if token == image_token and start is None:
+            start = index
+        elif token != image_token and start is not None:
+            runs.append((start, index - start))
+            start = None
+    return tuple(runs)
 
 
 def _mark_ids(marks: tuple[str, str] | None, tokenizer: Any, folder: Path) -> tuple[int, int] | None:

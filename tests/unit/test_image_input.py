@@ -785,3 +785,49 @@ def test_a_chunk_never_ends_inside_an_image_that_attends_both_ways() -> None:
     assert whole_images(request, 10, 30, 40) == 30  # (the image and more)
     causal = Request("c", list(range(40)), GREEDY, max_model_len=256, multimodal=MultimodalInputs((span,)))
     assert whole_images(causal, 0, 12, 40) == 12
+
+
+# Aya Vision over a tiny SigLIP (tiles of 56 pixels: 4 x 4 patches of 14, pixel-shuffled by 2 into 4 tokens a tile)
+# beside Command R7B's text model (the family tests' Cohere 2).
+_AYA_MARKS = ["<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_LINE_BREAK|>", "<image>", "<|IMG_PATCH|>"]
+_AYA_TILES = {"size": {"height": 56, "width": 56}, "max_patches": 4}
+
+
+def save_aya_vision(folder: Path) -> Any:
+    """A tiny Aya Vision checkpoint that reads images, saved in `folder` as transformers saves it; returns the model."""
+    import transformers
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    from tests.families import FAMILIES
+
+    patch = vision_tokenizer(folder, _AYA_MARKS, PARTS_BY_LOOP).convert_tokens_to_ids("<|IMG_PATCH|>")
+    text = {**_SHAPE, "model_type": "cohere2", **FAMILIES["cohere2"][1], "vocab_size": patch + 8}
+    vision = {**_GEMMA3_SIGLIP, "model_type": "siglip_vision_model"}
+    config = transformers.AyaVisionConfig(text_config=text, vision_config=vision, downsample_factor=2,
+                                          image_token_index=patch)  # fmt: skip
+    model = save_drawn(folder, transformers.AyaVisionForConditionalGeneration, config, wide_encoder, (0.08, 0.3))
+    GotOcr2ImageProcessorPil(**_AYA_TILES).save_pretrained(folder)
+    return model
+
+
+def aya_vision_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor]:
+    """transformers' `AyaVisionProcessor` inputs for `prompt`."""
+    from transformers import AutoImageProcessor, AyaVisionProcessor
+
+    tokenizer, text, images = rendered(folder, prompt, PARTS_BY_LOOP)
+    processor = AyaVisionProcessor(AutoImageProcessor.from_pretrained(folder, backend="pil"), tokenizer, img_size=56,
+                                   patch_size=28)  # fmt: skip
+    inputs: dict[str, torch.Tensor] = processor(text=text, images=images or None, return_tensors="pt",
+                                                add_special_tokens=False)  # fmt: skip
+    return inputs
+
+
+def test_an_aya_vision_checkpoint_answers_image_prompts_as_transformers_does(tmp_path: Path) -> None:
+    """Aya Vision (an image in tiles, each tile's patch tokens after its tile tokens, then the global view's, between
+    its start and end tokens): the prompt's ids are its processor's; prompts with one image, two and none, batched,
+    whole and in chunks of 5, answer as transformers does."""
+    model = save_aya_vision(tmp_path)
+    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    inputs = [aya_vision_inputs(tmp_path, prompt) for prompt in prompts]
+    assert any(len(each.get("pixel_values", ())) > 2 for each in inputs)  # (several tiles beside a global view)
+    assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
