@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any
 
 import structlog
 import torch
@@ -336,6 +335,7 @@ def _load_vision(
             f"model {source.name!r}: images are served over the shared decoder's text models only, not over "
             f"{type(decoder).__name__}; remove its preprocessor_config.json to serve its text model alone"
         )
+    from engine_server.multimodal.checkpoint import CheckpointEncoder
     from engine_server.multimodal.llava import (  # (transformers' modules: only for these models)
         Gemma3ImageEncoder,
         InternVLImageEncoder,
@@ -348,15 +348,12 @@ def _load_vision(
 
     assert source.config.multimodal is not None and source.config.multimodal.images is not None
     kind = source.config.multimodal.images.encoder
-    encoders: dict[str, Any] = {
+    encoders: dict[str, type[CheckpointEncoder]] = {
         "llava": LlavaImageEncoder, "mistral3": Mistral3ImageEncoder, "internvl": InternVLImageEncoder,
         "idefics3": TiledSiglipEncoder, "smolvlm": TiledSiglipEncoder, "llava_next": LlavaNextImageEncoder,
         "gemma3": Gemma3ImageEncoder, "aya_vision": LlavaImageEncoder,
     }  # fmt: skip
-    loaded: ImageEncoder = encoders.get(kind, QwenVisionEncoder).from_checkpoint(
-        source.path, source.lazy_weights(), dtype, device
-    )
-    return loaded
+    return encoders.get(kind, QwenVisionEncoder).from_checkpoint(source.path, source.lazy_weights(), dtype, device)
 
 
 def _pair_separator(source: ModelSource) -> int | None:

@@ -1,12 +1,13 @@
 """A vision encoder built from a multimodal checkpoint's `config.json` (its composite config, as transformers reads it)
-and loaded with the checkpoint's tensors under the encoder's prefixes."""
+and loaded with the checkpoint's tensors under the encoder's prefixes: `load_encoder`, and `CheckpointEncoder`, the
+encoders' base, which names its prefixes (`parts`) and builds itself from the composite config."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -44,3 +45,23 @@ def load_encoder(
         raise ValueError(f"{folder}: the vision encoder's tensors do not match: missing {missing[:4]}, "
                          f"unexpected {unexpected[:4]}")  # fmt: skip
     return encoder.to(device=device, dtype=dtype).eval()
+
+
+class CheckpointEncoder(nn.Module):
+    """A vision encoder whose parameters are the checkpoint's tensors under `parts` (transformers 5's `model.` prefix
+    dropped: the released names). A subclass builds itself from the composite config (`__init__(composite)`) and
+    encodes one image (`multimodal.features.ImageEncoder`)."""
+
+    parts: ClassVar[tuple[str, ...]] = ("vision_tower.", "multi_modal_projector.")
+
+    @classmethod
+    def from_checkpoint(
+        cls, folder: Path, weights: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype, device: torch.device
+    ) -> CheckpointEncoder:
+        """The encoder of the checkpoint in `folder`, loaded from `weights` (the text model's passed over unread)."""
+        return load_encoder(cls, folder, weights, cls.parts, dtype, device)
+
+    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
+        """One image's processed pixels and grid -> its tokens' embeddings (`multimodal.features.ImageEncoder`)."""
+        raise NotImplementedError
+

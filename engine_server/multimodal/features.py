@@ -37,6 +37,7 @@ class ImageFeatures:
         self.dtype = dtype
         self._features: dict[bytes, torch.Tensor] = {}
         self._users: dict[bytes, set[str]] = {}  # the requests holding each image's features
+        self._held: dict[str, set[bytes]] = {}  # the images each request holds (`release` reads its own alone)
 
     def step_rows(
         self, chunks: Sequence[tuple[Request, int, int]]
@@ -69,11 +70,12 @@ class ImageFeatures:
                 )
             self._features[span.digest] = features
         self._users.setdefault(span.digest, set()).add(request_id)
+        self._held.setdefault(request_id, set()).add(span.digest)
         return features
 
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request's hold on its images (their features once no request holds them)."""
-        for digest in [digest for digest, users in self._users.items() if request_id in users]:
+        for digest in self._held.pop(request_id, ()):
             users = self._users[digest]
             users.discard(request_id)
             if not users:

@@ -9,20 +9,15 @@ quantized, never in the decode stack).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from engine_server.multimodal.checkpoint import load_encoder
-from engine_server.parallel.layers import CheckpointTensor
-
-_PARTS = ("vision_tower.", "multi_modal_projector.")
+from engine_server.multimodal.checkpoint import CheckpointEncoder
 
 
-class LlavaImageEncoder(nn.Module):
+class LlavaImageEncoder(CheckpointEncoder):
     """pixel values `[N, 3, H, W]` -> `[N, tokens, text hidden]` (`ImageInput.tokens_per_image` tokens an image).
     Aya Vision's the same over an image's tiles, through its own projector (pixel shuffle, SwiGLU)."""
 
@@ -39,13 +34,6 @@ class LlavaImageEncoder(nn.Module):
         self.feature_layers: int | list[int] = composite.vision_feature_layer
         self.drops_class_token = composite.vision_feature_select_strategy == "default"
 
-    @classmethod
-    def from_checkpoint(
-        cls, folder: Path, weights: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype, device: torch.device
-    ) -> LlavaImageEncoder:
-        """The encoder of the checkpoint in `folder`, loaded from `weights` (transformers 5's names,
-        `model.vision_tower.`, or the released ones, `vision_tower.`; the text model's passed over unread)."""
-        return load_encoder(cls, folder, weights, _PARTS, dtype, device)
 
     def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
         """One image's `[3, H, W]` (Aya Vision's tiles `[n, 3, H, W]`) -> its tokens' embeddings `[tokens, text
@@ -64,7 +52,7 @@ class LlavaImageEncoder(nn.Module):
         return projected
 
 
-class Mistral3ImageEncoder(nn.Module):
+class Mistral3ImageEncoder(CheckpointEncoder):
     """Mistral 3's images (Mistral Small 3.1 / 3.2, Magistral Small): Pixtral's hidden states at the feature layer(s)
     of one image at its own size, through Mistral 3's projector (its norm, the patch merger's `merge_size` x
     `merge_size` patches into one, two linears), as transformers' `Mistral3Model` computes them."""
@@ -78,12 +66,6 @@ class Mistral3ImageEncoder(nn.Module):
         self.multi_modal_projector = Mistral3MultiModalProjector(composite)
         self.feature_layers: int | list[int] = composite.vision_feature_layer
 
-    @classmethod
-    def from_checkpoint(
-        cls, folder: Path, weights: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype, device: torch.device
-    ) -> Mistral3ImageEncoder:
-        """The encoder of the checkpoint in `folder`, loaded from `weights` (as `LlavaImageEncoder`'s)."""
-        return load_encoder(cls, folder, weights, _PARTS, dtype, device)
 
     def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
         """One image's `[3, H, W]` -> its merged patches' embeddings `[(H / s) * (W / s), text hidden]`, s the merged
@@ -97,7 +79,7 @@ class Mistral3ImageEncoder(nn.Module):
         return projected
 
 
-class InternVLImageEncoder(nn.Module):
+class InternVLImageEncoder(CheckpointEncoder):
     """InternVL's images (InternVL 3 / 3.5 as transformers' `-hf` checkpoints): each tile through InternViT, its hidden
     states at the feature layer (without the class token under the "default" strategy) pixel-shuffled by
     `downsample_ratio` and through InternVL's projector, as transformers' `InternVLModel` computes them."""
@@ -113,12 +95,6 @@ class InternVLImageEncoder(nn.Module):
         self.drops_class_token = composite.vision_feature_select_strategy == "default"
         self.downsample_ratio = float(composite.downsample_ratio)
 
-    @classmethod
-    def from_checkpoint(
-        cls, folder: Path, weights: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype, device: torch.device
-    ) -> InternVLImageEncoder:
-        """The encoder of the checkpoint in `folder`, loaded from `weights` (as `LlavaImageEncoder`'s)."""
-        return load_encoder(cls, folder, weights, _PARTS, dtype, device)
 
     def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
         """One image's tiles `[n, 3, H, W]` -> their tokens' embeddings `[n * tokens a tile, text hidden]`."""
@@ -136,10 +112,12 @@ class InternVLImageEncoder(nn.Module):
         return projected.reshape(-1, projected.shape[-1])
 
 
-class TiledSiglipEncoder(nn.Module):
+class TiledSiglipEncoder(CheckpointEncoder):
     """Idefics 3's and SmolVLM's images: each tile (the rows x columns of the split image, then its global view)
     through their SigLIP tower and the pixel-shuffle connector (`scale_factor`), as transformers' models compute them:
     `[tiles, 3, H, W]` -> `[tiles * tokens a tile, text hidden]`, in the tiles' order."""
+
+    parts = ("vision_model.", "connector.")
 
     def __init__(self, composite: Any) -> None:
         super().__init__()
@@ -152,13 +130,6 @@ class TiledSiglipEncoder(nn.Module):
         self.connector = getattr(module, f"{stem}Connector")(composite)
         self.patch_size = int(composite.vision_config.patch_size)
 
-    @classmethod
-    def from_checkpoint(
-        cls, folder: Path, weights: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype, device: torch.device
-    ) -> TiledSiglipEncoder:
-        """The encoder of the checkpoint in `folder`, loaded from `weights` (`model.vision_model.`,
-        `model.connector.`)."""
-        return load_encoder(cls, folder, weights, ("vision_model.", "connector."), dtype, device)
 
     def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
         """One image's tiles `[n, 3, H, W]` (whole: no padding within one image) -> their tokens' embeddings."""
@@ -170,10 +141,12 @@ class TiledSiglipEncoder(nn.Module):
         return features.reshape(-1, features.shape[-1])
 
 
-class LlavaNextImageEncoder(nn.Module):
+class LlavaNextImageEncoder(CheckpointEncoder):
     """LLaVA-NeXT's images (LLaVA 1.6): the image's tiles of its any-resolution grid and its base view through the tower
     and the projector (as LLaVA's), then laid out as transformers' `LlavaNextModel` packs them: the base view's rows,
     then the grid's unpadded to the image's aspect, `image_newline` after each row of it."""
+
+    parts = ("vision_tower.", "multi_modal_projector.", "image_newline")
 
     def __init__(self, composite: Any) -> None:
         super().__init__()
@@ -187,12 +160,6 @@ class LlavaNextImageEncoder(nn.Module):
         self.feature_layers: int | list[int] = composite.vision_feature_layer
         self.strategy: str = composite.vision_feature_select_strategy
 
-    @classmethod
-    def from_checkpoint(
-        cls, folder: Path, weights: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype, device: torch.device
-    ) -> LlavaNextImageEncoder:
-        """The encoder of the checkpoint in `folder`, loaded from `weights` (LLaVA's parts and `image_newline`)."""
-        return load_encoder(cls, folder, weights, (*_PARTS, "image_newline"), dtype, device)
 
     def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
         """One image's tiles `[n, 3, H, W]` and its original (height, width) `grid` -> its tokens' embeddings."""
@@ -211,7 +178,7 @@ class LlavaNextImageEncoder(nn.Module):
         return result
 
 
-class Gemma3ImageEncoder(nn.Module):
+class Gemma3ImageEncoder(CheckpointEncoder):
     """Gemma 3's images: SigLIP's last hidden states, average-pooled to `mm_tokens_per_image` tokens, normed and
     projected (`Gemma3MultiModalProjector`), as transformers' `Gemma3Model` computes them."""
 
@@ -223,12 +190,6 @@ class Gemma3ImageEncoder(nn.Module):
         self.vision_tower = AutoModel.from_config(composite.vision_config)
         self.multi_modal_projector = Gemma3MultiModalProjector(composite)
 
-    @classmethod
-    def from_checkpoint(
-        cls, folder: Path, weights: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype, device: torch.device
-    ) -> Gemma3ImageEncoder:
-        """The encoder of the checkpoint in `folder`, loaded from `weights` (as `LlavaImageEncoder`'s)."""
-        return load_encoder(cls, folder, weights, _PARTS, dtype, device)
 
     def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
         """One image's `[3, H, W]` -> its `mm_tokens_per_image` tokens' embeddings."""

@@ -5,15 +5,13 @@ out for still images."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
+from typing import Any
 
 import torch
-from torch import nn
 
-from engine_server.multimodal.checkpoint import load_encoder
+from engine_server.multimodal.checkpoint import CheckpointEncoder
 from engine_server.multimodal.inputs import ImageSpan
-from engine_server.parallel.layers import CheckpointTensor
 
 # The tower's class in transformers, by model type.
 _TOWERS = {
@@ -27,25 +25,18 @@ _TOWERS = {
 }
 
 
-class QwenVisionEncoder(nn.Module):
+class QwenVisionEncoder(CheckpointEncoder):
     """One image's patches `[patches, C * T * P * P]` and grid -> `[patches / merge_size², text hidden]`."""
 
-    def __init__(self, model_type: str, composite: object) -> None:
+    parts = ("visual.",)
+
+    def __init__(self, composite: Any) -> None:
         super().__init__()
         import importlib
 
-        module, name = _TOWERS[model_type]
+        module, name = _TOWERS[composite.model_type]
         tower_class = getattr(importlib.import_module(module), name)
-        self.visual = tower_class._from_config(composite.vision_config)  # type: ignore[attr-defined]
-
-    @classmethod
-    def from_checkpoint(
-        cls, folder: Path, weights: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype, device: torch.device
-    ) -> QwenVisionEncoder:
-        """The tower of the Qwen-VL checkpoint in `folder`, loaded from `weights` (transformers 5's `model.visual.`
-        or the released `visual.`; the text model's passed over unread)."""
-        return load_encoder(lambda composite: cls(composite.model_type, composite), folder, weights, ("visual.",),
-                            dtype, device)  # fmt: skip
+        self.visual = tower_class._from_config(composite.vision_config)
 
     def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
         """One image's patches -> its tokens' embeddings (`ImageEncoder`)."""
