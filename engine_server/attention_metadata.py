@@ -108,6 +108,9 @@ class AttentionMetadata:
     mrope_positions: torch.Tensor | None = None
     # ... and images whose tokens attend both ways (Gemma 3's), the step's (`layers.image_blocks`); None: none.
     image_blocks: list[ImageBlock] | None = None
+    # The image rows and M-RoPE positions as the host built them, as `host_block_tables` (the step channel's).
+    host_image_rows: torch.Tensor | None = None
+    host_mrope_positions: torch.Tensor | None = None
 
     @classmethod
     def build(

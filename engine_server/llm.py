@@ -104,8 +104,7 @@ class LLM:
             )
         )
         images, refusal = served_images(
-            source.config.multimodal, source.path, self.config.tensor_parallel_size, self.tokenizer,
-            self.config.scheduler.max_num_batched_tokens,
+            source.config.multimodal, source.path, self.tokenizer, self.config.scheduler.max_num_batched_tokens
         )  # fmt: skip
         self.inputs = InputProcessor(
             self.tokenizer,

@@ -323,11 +323,11 @@ def _load_vision(
     source: ModelSource, model: StepModel, device: torch.device, dtype: torch.dtype, tp: TensorParallel,
     max_num_batched_tokens: int,
 ) -> ImageEncoder | None:
-    """The vision encoder of a checkpoint whose images are served (`multimodal.processing.images_refusal`: on one
-    engine, not under tensor parallelism, with its image processor); None otherwise. ValueError where its text
-    model's decoder is one that lays no image rows over its embeddings (only the shared `DecoderModel`'s forward
-    does)."""
-    if images_refusal(source.config.multimodal, source.path, tp.size, max_num_batched_tokens):
+    """The vision encoder of a checkpoint whose images are served (`multimodal.processing.images_refusal`: with its
+    image processor), on rank 0 alone (it sends the encoder's rows to the other ranks with each step:
+    `parallel.step_channel`); None otherwise. ValueError where its text model's decoder is one that lays no image rows
+    over its embeddings (only the shared `DecoderModel`'s forward does), on every rank."""
+    if images_refusal(source.config.multimodal, source.path, max_num_batched_tokens):
         return None
     decoder = getattr(model, "model", None)
     if decoder is None or type(decoder).forward is not DecoderModel.forward:
@@ -335,6 +335,8 @@ def _load_vision(
             f"model {source.name!r}: images are served over the shared decoder's text models only, not over "
             f"{type(decoder).__name__}; remove its preprocessor_config.json to serve its text model alone"
         )
+    if not tp.is_driver:
+        return None
     from engine_server.multimodal.checkpoint import CheckpointEncoder
     from engine_server.multimodal.llava import (  # (transformers' modules: only for these models)
         Gemma3ImageEncoder,

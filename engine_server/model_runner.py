@@ -548,7 +548,7 @@ class ModelRunner:
         if graphs is not None and bucket is not None:  # graphs with LoRA slots apply the adapters (cuda_graphs)
             if self.fan_out is not None:  # every rank replays its graph of this bucket
                 host_ids, sent_pending = _host_decode_inputs(step_ids, pending_rows, pending)
-                self.fan_out.decode_graph(host_ids, layout, bucket, sent_pending)
+                self.fan_out.decode_graph(host_ids, layout, bucket, sent_pending, shifts)
             return graphs.run_layout(step_ids, layout, pending, adapter_slots, shifts), None
         lora = self._lora_batch(adapter_slots)
         meta = AttentionMetadata.from_decode_layout(layout, self.block_size, self.device)
@@ -606,10 +606,14 @@ class ModelRunner:
         meta.last_rows_only = last_rows_only and self.draft is None
         if self.image_features is not None:
             chunks = [(item.request, item.start_position, item.num_new_tokens) for item in scheduled]
-            meta.image_embeds = self.image_features.step_rows(chunks)
+            image_rows = self.image_features.step_rows(chunks)
+            if image_rows is not None:
+                meta.host_image_rows = image_rows[0]
+                meta.image_embeds = (to_device(image_rows[0], self.device), image_rows[1])
             if mrope:
-                meta.mrope_positions = to_device(step_mrope_positions(chunks), self.device)
-            meta.image_blocks = step_image_blocks(chunks, [item.block_ids for item in scheduled], self.device)
+                meta.host_mrope_positions = step_mrope_positions(chunks)
+                meta.mrope_positions = to_device(meta.host_mrope_positions, self.device)
+            meta.image_blocks = step_image_blocks(chunks)
         if self.state_slots:
             self._set_state_slots(meta, [item.request for item in scheduled], state_copies)
         host_ids, host_positions = (

@@ -173,8 +173,9 @@ def start_tensor_parallel(
     except BaseException:
         group.stop()
         raise
-    # On CUDA a step's pending token ids go device to device (NCCL); on the CPU through the step buffer.
-    group.sender = StepSender(channel, tp.broadcast_from_driver_tensor if device.type == "cuda" else None)
+    # On CUDA a step's pending token ids go device to device (NCCL); on the CPU through the step buffer. Images'
+    # embeddings always go by the broadcast.
+    group.sender = StepSender(channel, tp.broadcast_from_driver_tensor, pending_on_device=device.type == "cuda")
     all_reduce = "shared memory" if tp.shm_reduce is not None else ("nccl" if tp.capturable else "gloo")
     log.info("tensor parallelism ready", size=size, device=device.type, threads=threads, all_reduce=all_reduce)
     return loaded, group
@@ -305,7 +306,8 @@ def _worker_main(spec: WorkerSpec) -> None:
     )
     try:
         loaded = load_model(spec.source, spec.config, spec.max_model_len, tp)
-        _serve_steps(loaded, StepReceiver(spec.channel, spec.rank, loaded.device, tp.broadcast_from_driver_tensor))
+        receiver = StepReceiver(spec.channel, spec.rank, loaded.device, tp.broadcast_from_driver_tensor, loaded.dtype)
+        _serve_steps(loaded, receiver)
     finally:
         destroy_tensor_parallel(tp)
 
@@ -327,7 +329,7 @@ def _serve_steps(loaded: LoadedModel, receiver: StepReceiver) -> None:
             assert step is not None
             if graphs is None or graphs.bucket_for(len(step.layout.seq_lens)) != step.bucket:
                 raise RuntimeError(f"rank 0 replays its decode graph of {step.bucket} rows, which this rank lacks")
-            hidden = graphs.run_layout(step.input_ids, step.layout)
+            hidden = graphs.run_layout(step.input_ids, step.layout, position_shifts=step.position_shifts)
         elif message.kind is MessageKind.LOGITS:
             if hidden is None:
                 raise RuntimeError("rank 0 asked for logits before any forward pass")

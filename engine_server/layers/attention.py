@@ -218,7 +218,9 @@ class PagedSelfAttention(nn.Module):
         )  # fmt: skip
         if meta.image_blocks:  # (Gemma 3's images: their tokens attend to each other both ways)
             heads = out.reshape(tokens, self.num_heads, self.head_dim)
-            out = attend_image_blocks(q, heads, kv_cache, meta.image_blocks, self.scale, self.window, self.softcap)
+            out = attend_image_blocks(
+                q, heads, kv_cache, meta.image_blocks, meta.block_tables, self.scale, self.window, self.softcap
+            )
         out = out.reshape(tokens, self.q_size)
         if gate is not None:
             out = ops.sigmoid_mul(out, gate.reshape(tokens, self.q_size))

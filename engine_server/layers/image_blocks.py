@@ -18,14 +18,16 @@ from ladle_kernels.reference import fp8_kv_values, is_fp8_kv_cache
 
 @dataclass(frozen=True)
 class ImageBlock:
-    """One image's tokens computed this step: their rows in the step (`rows` `[R]` int64), positions (`positions`
-    `[R]` int64), the image's end (its last token's position + 1) and the request's block table (`block_table` `[W]`
-    int64), on the model's device."""
+    """One image's tokens computed this step: its request's index in the step (`sequence`: its row of the step's
+    block tables), its first token's row in the step and position, how many of its tokens the step computes (always
+    through its last), and the image's end (its last token's position + 1). Plain integers, so tensor parallelism's
+    step channel carries them as they are."""
 
-    rows: torch.Tensor
-    positions: torch.Tensor
+    sequence: int
+    first_row: int
+    first_position: int
+    count: int
     end: int
-    block_table: torch.Tensor
 
 
 def attend_image_blocks(
@@ -33,19 +35,22 @@ def attend_image_blocks(
     out: torch.Tensor,
     kv_cache: torch.Tensor,
     blocks: list[ImageBlock],
+    block_tables: torch.Tensor,
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """`out` `[T, heads, head_dim]` (the layer's causal attention of queries `q` `[T, heads, head_dim]`) with each
     image token's row attended again over keys `[0 or p - window + 1, end)` of its image's block, read from
-    `kv_cache` `[2, num_blocks, block_size, kv_heads, row]`."""
+    `kv_cache` `[2, num_blocks, block_size, kv_heads, row]` through the step's `block_tables` `[B, W]`."""
     block_size, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     for block in blocks:
-        first = int(block.positions.min())
-        low = max(0, first - window + 1) if window else 0
+        rows = torch.arange(block.first_row, block.first_row + block.count, device=q.device)
+        positions = torch.arange(block.first_position, block.first_position + block.count, device=q.device)
+        low = max(0, block.first_position - window + 1) if window else 0
         keys = torch.arange(low, block.end, device=q.device)
-        slots = block.block_table[keys // block_size] * block_size + keys % block_size
+        table = block_tables[block.sequence].long()
+        slots = table[keys // block_size] * block_size + keys % block_size
         k = kv_cache[0].reshape(-1, kv_heads, kv_cache.shape[-1])[slots]
         v = kv_cache[1].reshape(-1, kv_heads, kv_cache.shape[-1])[slots]
         if is_fp8_kv_cache(kv_cache):
@@ -53,12 +58,12 @@ def attend_image_blocks(
         groups = q.shape[1] // kv_heads
         k = k.float().repeat_interleave(groups, dim=1)  # [K, heads, D]
         v = v.float().repeat_interleave(groups, dim=1)
-        scores = torch.einsum("rhd,khd->hrk", q[block.rows].float(), k) * scale
+        scores = torch.einsum("rhd,khd->hrk", q[rows].float(), k) * scale
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)
         if window:  # a key in the image but out of the query's window stays out, as the mask's AND with it has it
-            outside = keys[None, :] <= block.positions[:, None] - window
+            outside = keys[None, :] <= positions[:, None] - window
             scores = scores.masked_fill(outside[None], float("-inf"))
         attended = torch.einsum("hrk,khd->rhd", torch.softmax(scores, dim=-1), v)
-        out = out.index_copy(0, block.rows, attended.to(out.dtype))
+        out = out.index_copy(0, rows, attended.to(out.dtype))
     return out

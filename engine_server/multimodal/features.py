@@ -43,8 +43,8 @@ class ImageFeatures:
         self, chunks: Sequence[tuple[Request, int, int]]
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For a step whose request i computes positions `[start_i, start_i + count_i)` (`chunks`: (request, start,
-        count), in the step's row order), the rows that take image embeddings and those embeddings; None when no
-        chunk reaches an image."""
+        count), in the step's row order), the rows that take image embeddings (a host int64 tensor) and those
+        embeddings (on the device, in the model's dtype); None when no chunk reaches an image."""
         rows: list[int] = []
         embeds: list[torch.Tensor] = []
         base = 0
@@ -58,12 +58,13 @@ class ImageFeatures:
             base += count
         if not rows:
             return None
-        return torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(embeds)
+        return torch.tensor(rows, dtype=torch.long), torch.cat(embeds)
 
     def _image(self, request_id: str, span: ImageSpan) -> torch.Tensor:
         features = self._features.get(span.digest)
         if features is None:
-            features = self.encoder.encode(span.pixel_values.to(device=self.device, dtype=self.dtype), span.grid)
+            pixels = span.pixel_values.to(device=self.device, dtype=self.dtype)
+            features = self.encoder.encode(pixels, span.grid).to(self.dtype)
             if features.shape[0] != span.num_features:
                 raise RuntimeError(
                     f"the vision encoder made {features.shape[0]} rows for an image of {span.num_features} tokens"
@@ -106,25 +107,19 @@ def step_mrope_positions(chunks: Sequence[tuple[Request, int, int]]) -> torch.Te
     return torch.cat(pieces, dim=1)
 
 
-def step_image_blocks(
-    chunks: Sequence[tuple[Request, int, int]], tables: Sequence[list[int]], device: torch.device
-) -> list[ImageBlock] | None:
+def step_image_blocks(chunks: Sequence[tuple[Request, int, int]]) -> list[ImageBlock] | None:
     """The images a step computes whose tokens attend both ways (`MultimodalInputs.bidirectional`), `chunks` as
-    `step_rows` takes them and `tables` their requests' block tables: each image's tokens in the step (its rows, their
-    positions, the image's end); None for none. A chunk never ends inside such an image (`core.scheduler`)."""
+    `step_rows` takes them: each image's tokens in the step; None for none. A chunk never ends inside such an image
+    (`core.scheduler`)."""
     blocks: list[ImageBlock] = []
     base = 0
-    for (request, start, count), table in zip(chunks, tables, strict=True):
+    for sequence, (request, start, count) in enumerate(chunks):
         images = request.multimodal
         if images is not None and images.bidirectional and start < request.num_prompt_tokens:
             for image in images.images:
                 first, last = max(start, image.offset), min(start + count, image.end)
                 if first < last:
                     assert last == image.end, "a chunk never ends inside an image whose tokens attend both ways"
-                    rows = torch.arange(base + first - start, base + last - start, device=device)
-                    positions = torch.arange(first, last, device=device)
-                    block_table = torch.tensor(table, dtype=torch.long, device=device)
-                    blocks.append(ImageBlock(rows, positions, image.end, block_table))
+                    blocks.append(ImageBlock(sequence, base + first - start, first, last - first, image.end))
         base += count
     return blocks or None
-

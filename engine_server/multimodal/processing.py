@@ -269,31 +269,27 @@ def _mark_ids(marks: tuple[str, str] | None, tokenizer: Any, folder: Path) -> tu
 
 
 def served_images(
-    multimodal: MultimodalCheckpoint | None, folder: Path, tensor_parallel_size: int = 1, tokenizer: Any = None,
+    multimodal: MultimodalCheckpoint | None, folder: Path, tokenizer: Any = None,
     max_num_batched_tokens: int | None = None,
-) -> tuple[ImageProcessing | None, str]:
-    """How the model in `folder` (its `ModelConfig.multimodal`; its `tokenizer`) reads images on an engine of
-    `tensor_parallel_size` ranks and steps of at most `max_num_batched_tokens`, and the refusal of a turn with an
-    image where it reads none (`images_refusal`)."""
-    refusal = images_refusal(multimodal, folder, tensor_parallel_size, max_num_batched_tokens)
+) -> tuple[ImageProcessing | None, str]:  # fmt: skip
+    """How the model in `folder` (its `ModelConfig.multimodal`; its `tokenizer`) reads images on an engine whose steps
+    take at most `max_num_batched_tokens`, and the refusal of a turn with an image where it reads none
+    (`images_refusal`)."""
+    refusal = images_refusal(multimodal, folder, max_num_batched_tokens)
     if refusal or multimodal is None or multimodal.images is None:
         return None, refusal
     return ImageProcessing.for_model(multimodal.images, folder, tokenizer), ""
 
 
 def images_refusal(
-    multimodal: MultimodalCheckpoint | None, folder: Path, tensor_parallel_size: int = 1,
-    max_num_batched_tokens: int | None = None,
-) -> str:  # fmt: skip
-    """Why the model in `folder` reads no images on an engine of `tensor_parallel_size` ranks whose steps take at most
-    `max_num_batched_tokens` (None: no cap); "" where it reads them (then its vision encoder loads:
-    `engine_server.model_loading`)."""
+    multimodal: MultimodalCheckpoint | None, folder: Path, max_num_batched_tokens: int | None = None
+) -> str:
+    """Why the model in `folder` reads no images on an engine whose steps take at most `max_num_batched_tokens` (None:
+    no cap); "" where it reads them (then its vision encoder loads on rank 0: `engine_server.model_loading`)."""
     if multimodal is None:
         return "this model reads no images; send text alone"
     if multimodal.images is None:
         return f"images are not served for {multimodal.model_type} checkpoints yet (their text model is); send text"
-    if tensor_parallel_size > 1:
-        return "images are not served under tensor parallelism yet; send text alone, or serve on one rank"
     if not (folder / _PROCESSOR_CONFIG).is_file():
         return f"this checkpoint has no image processor ({_PROCESSOR_CONFIG}) to read images with; send text alone"
     images = multimodal.images

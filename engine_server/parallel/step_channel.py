@@ -20,10 +20,14 @@ Messages:
   copied back from the device, which on CUDA would wait for the steps queued before). Input ids that the previous
   launch sampled and the host does not have yet (async scheduling: `PendingTokens`) travel as their rows, and their
   values go device to device, broadcast from rank 0 over the model's group (NCCL on CUDA) right after the message,
-  so neither side waits for them on the host; values already on the host (the CPU) go in the buffer.
+  so neither side waits for them on the host; values already on the host (the CPU) go in the buffer. A step that
+  computes prompt tokens of images (`engine_server.multimodal`) carries their metadata too: the rows that take an
+  image's embeddings, M-RoPE's 3-D positions, the images whose tokens attend both ways (`ImageBlock`'s integers);
+  the embeddings themselves (floats) follow by the group's broadcast, after the pending values.
 - DECODE_GRAPH: a decode step (one new token per row) that every rank runs by replaying its own captured graph
   of the bucket named (engine_server.cuda_graphs): the rows' input ids, sequence lengths, block tables and slots,
-  as the host built them; pending tokens as for FORWARD. The graphs' all-reduces are inside them, so each rank's
+  as the host built them, and their rope positions' shifts where rows have them (M-RoPE's delta after images);
+  pending tokens as for FORWARD. The graphs' all-reduces are inside them, so each rank's
   replay meets the others' as an eager forward's collectives do.
 - LOGITS: which rows of that forward's hidden states sample (or all of them); every rank computes its vocab
   slice of their logits and they are gathered to rank 0.
@@ -39,12 +43,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.synchronize import Semaphore
+from typing import Any
 
 import numpy as np
 import torch
 
 from engine_server.attention_metadata import AttentionMetadata, DecodeLayout
 from engine_server.core.scheduler_output import StateCopies
+from engine_server.layers.image_blocks import ImageBlock
 from engine_server.transfer import to_device
 
 _HEADER = 16
@@ -64,12 +70,17 @@ class MessageKind(enum.IntEnum):
     CAPTURE = 5
 
 
+_IMAGE_BLOCK = 5  # an `ImageBlock`'s integers
+
+
 def buffer_capacity(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> int:
     """int64 values the buffer must hold for the largest step: 5 per token (ids, positions, slots, and a pending
     token's row and value), 2 per sequence and 1 (query starts, lengths), a full block table and a state slot per
-    sequence, and 4 per sequence for a hybrid's state copies (a restore's rows and a save's); or one logits row per
-    token."""
-    return 5 * max_tokens + 2 * max_seqs + 1 + max_seqs * (max_blocks_per_seq + 1) + 4 * max_seqs
+    sequence, and 4 per sequence for a hybrid's state copies (a restore's rows and a save's); for images 4 more per
+    token (an image row, M-RoPE's 3 positions) and an image block's 5 (an image takes at least a token); or one
+    logits row per token."""
+    images = (4 + _IMAGE_BLOCK) * max_tokens
+    return 5 * max_tokens + 2 * max_seqs + 1 + max_seqs * (max_blocks_per_seq + 1) + 4 * max_seqs + images
 
 
 @dataclass(frozen=True)
@@ -111,11 +122,12 @@ class ForwardInputs:
 @dataclass(frozen=True)
 class DecodeGraphInputs:
     """A DECODE_GRAPH message as a worker rebuilds it: the rows' input ids on its device (pending ones in place),
-    their layout on the host, and the bucket rank 0 replays."""
+    their layout on the host, the bucket rank 0 replays, and each row's rope position shift (None: none)."""
 
     input_ids: torch.Tensor
     layout: DecodeLayout
     bucket: int
+    position_shifts: np.ndarray[Any, np.dtype[np.int64]] | None = None
 
 
 @dataclass(frozen=True)
@@ -133,15 +145,21 @@ class Message:
 class StepSender:
     """Rank 0's end: `forward` before each forward pass, `logits` before each `compute_logits`, `stop` once.
 
-    With `broadcast` (rank 0's end of the model group's broadcast: given where the model is on a device, not the
-    host) pending token values go through it, device to device; without, through the buffer (copied to the host).
-    The workers' `StepReceiver`s must be given the same collective."""
+    `broadcast` is rank 0's end of the model group's broadcast; the workers' `StepReceiver`s must be given the same
+    collective. Images' embeddings always go through it. Pending token values go through it, device to device, where
+    `pending_on_device` (by default: where a broadcast is given; the engine's: where the model is on a device, not the
+    host); else through the buffer (copied to the host)."""
 
-    def __init__(self, channel: StepChannel, broadcast: Broadcast | None = None) -> None:
+    def __init__(
+        self, channel: StepChannel, broadcast: Broadcast | None = None, pending_on_device: bool | None = None
+    ) -> None:
         self._slots = channel.buffer
         self._signals = list(channel.signals)
         self._acks = list(channel.acks)
         self._broadcast = broadcast
+        self._pending_on_device = broadcast is not None if pending_on_device is None else pending_on_device
+        if self._pending_on_device and broadcast is None:
+            raise ValueError("pending token values go by broadcast only where the sender has one")
         self._sent = 0
         # The slot the next message goes to (`_claim`).
         self._header = self._slots[0, :_HEADER]
@@ -156,7 +174,8 @@ class StepSender:
     ) -> None:
         """Send the step's model inputs: `input_ids` and `positions` as host tensors (the rows in `pending` may
         hold anything: the workers take those from `pending.values`), `meta` with its host copies where it has
-        them (else its tensors are copied back from their device)."""
+        them (else its tensors are copied back from their device), its images' too (`image_embeds`' rows and
+        embeddings, `mrope_positions`, `image_blocks`)."""
         self._claim()
         tokens, batch = input_ids.shape[0], len(meta.seq_lens_cpu)
         tables = meta.host_block_tables if meta.host_block_tables is not None else meta.block_tables
@@ -171,25 +190,50 @@ class StepSender:
         copies = meta.state_copies
         restores, saves = (([], []), ([], [])) if copies is None else (copies.restores, copies.saves)
         copied = torch.tensor([*restores[0], *restores[1], *saves[0], *saves[1]], dtype=torch.int64)
+        image_rows, embeds = (None, None) if meta.image_embeds is None else meta.image_embeds
+        image_rows = meta.host_image_rows if meta.host_image_rows is not None else image_rows
+        mrope = meta.host_mrope_positions if meta.host_mrope_positions is not None else meta.mrope_positions
+        blocks = meta.image_blocks or []
+        image_parts = [
+            torch.empty(0, dtype=torch.int64) if image_rows is None else image_rows,
+            torch.empty(0, dtype=torch.int64) if mrope is None else mrope.reshape(-1),
+            torch.tensor([[b.sequence, b.first_row, b.first_position, b.count, b.end] for b in blocks],
+                         dtype=torch.int64).reshape(-1),
+        ]  # fmt: skip
+        if embeds is not None and self._broadcast is None:
+            raise RuntimeError("a step with images' embeddings needs the sender's broadcast to reach the workers")
         parts = [input_ids, positions, starts, torch.tensor(meta.seq_lens_cpu, dtype=torch.int64),
-                 tables.reshape(-1), slots, state_slots, copied]  # fmt: skip
+                 tables.reshape(-1), slots, state_slots, copied, *image_parts]  # fmt: skip
         num_pending, on_device = self._write(parts, pending)
         self._send(MessageKind.FORWARD, tokens, batch, width, meta.max_query_len, meta.max_seq_len, meta.block_size,
-                   num_pending, int(on_device), int(meta.last_rows_only), len(restores[0]), len(saves[0]))  # fmt: skip
+                   num_pending, int(on_device), int(meta.last_rows_only), len(restores[0]), len(saves[0]),
+                   image_parts[0].numel(), 0 if embeds is None else embeds.shape[1],
+                   int(meta.mrope_positions is not None), len(blocks))  # fmt: skip
         self._send_pending(pending, on_device)
+        if embeds is not None:
+            assert self._broadcast is not None
+            self._broadcast(embeds.contiguous())
 
     def decode_graph(
-        self, input_ids: torch.Tensor, layout: DecodeLayout, bucket: int, pending: PendingTokens | None = None
+        self,
+        input_ids: torch.Tensor,
+        layout: DecodeLayout,
+        bucket: int,
+        pending: PendingTokens | None = None,
+        position_shifts: np.ndarray[Any, np.dtype[np.int64]] | None = None,
     ) -> None:
         """Send a decode step that every rank runs by replaying its graph of `bucket`: `input_ids` a host tensor
         `[B]` (the rows in `pending` may hold anything), `layout` the rows' host layout (block tables padded with
-        -1)."""
+        -1), `position_shifts` each row's rope position past its token's index (None: none)."""
         self._claim()
         batch, width = len(layout.seq_lens), layout.block_tables.shape[1]
         parts = [input_ids, torch.from_numpy(layout.seq_lens), torch.from_numpy(layout.block_tables).reshape(-1),
                  torch.from_numpy(layout.slots)]  # fmt: skip
+        if position_shifts is not None:
+            parts.append(torch.from_numpy(position_shifts))
         num_pending, on_device = self._write(parts, pending)
-        self._send(MessageKind.DECODE_GRAPH, batch, width, bucket, num_pending, int(on_device))
+        self._send(MessageKind.DECODE_GRAPH, batch, width, bucket, num_pending, int(on_device),
+                   int(position_shifts is not None))  # fmt: skip
         self._send_pending(pending, on_device)
 
     def logits(self, rows: torch.Tensor | None) -> None:
@@ -227,7 +271,7 @@ class StepSender:
         one after the other; return (pending rows, whether their values go by broadcast)."""
         num_pending, on_device = 0, False
         if pending is not None:
-            num_pending, on_device = pending.rows.numel(), self._broadcast is not None
+            num_pending, on_device = pending.rows.numel(), self._pending_on_device
             parts = [*parts, pending.rows] if on_device else [*parts, pending.rows, pending.values]
         self._check_fits(sum(part.numel() for part in parts))
         offset = 0
@@ -260,16 +304,19 @@ class StepSender:
 
 class StepReceiver:
     """A worker's end: `receive` blocks until rank 0 sends the next message. `broadcast` is the worker's end of
-    the collective rank 0's `StepSender` was given."""
+    the collective rank 0's `StepSender` was given; images' embeddings arrive through it in `image_dtype` (the
+    model's: `multimodal.features.ImageFeatures` makes them so)."""
 
     def __init__(
-        self, channel: StepChannel, rank: int, device: torch.device, broadcast: Broadcast | None = None
-    ) -> None:
+        self, channel: StepChannel, rank: int, device: torch.device, broadcast: Broadcast | None = None,
+        image_dtype: torch.dtype = torch.float32,
+    ) -> None:  # fmt: skip
         self._slots = channel.buffer
         self._signal = channel.signals[rank - 1]
         self._ack = channel.acks[rank - 1]
         self._device = device
         self._broadcast = broadcast
+        self._image_dtype = image_dtype
         self._received = 0
         self._buffer = self._slots[0, _HEADER:]  # the payload of the message being read
 
@@ -286,9 +333,9 @@ class StepReceiver:
 
     def _parse(self, kind: MessageKind, fields: list[int]) -> Message:
         if kind is MessageKind.FORWARD:
-            return Message(kind, forward=self._forward(*fields[:11]))
+            return Message(kind, forward=self._forward(*fields[:15]))
         if kind is MessageKind.DECODE_GRAPH:
-            return Message(kind, decode=self._decode_graph(*fields[:5]))
+            return Message(kind, decode=self._decode_graph(*fields[:6]))
         if kind is MessageKind.CAPTURE:
             return Message(kind, eager=bool(fields[0]))
         if kind is MessageKind.LOGITS:
@@ -310,16 +357,28 @@ class StepReceiver:
         last_rows_only: int,
         num_restores: int,
         num_saves: int,
+        num_image_rows: int,
+        image_width: int,
+        mrope: int,
+        num_image_blocks: int,
     ) -> ForwardInputs:
-        sizes = [tokens, tokens, batch + 1, batch, batch * width, tokens, batch, 2 * (num_restores + num_saves)]
-        ids, positions, starts, seq_lens, tables, slots, states, copied, *pending = self._read(
-            sizes, num_pending, pending_on_device
+        sizes = [tokens, tokens, batch + 1, batch, batch * width, tokens, batch, 2 * (num_restores + num_saves),
+                 num_image_rows, 3 * tokens * mrope, _IMAGE_BLOCK * num_image_blocks]  # fmt: skip
+        ids, positions, starts, seq_lens, tables, slots, states, copied, image_rows, mrope_rows, blocks, *pending = (
+            self._read(sizes, num_pending, pending_on_device)
         )
         rows = copied.tolist()
         restores, saves = rows[: 2 * num_restores], rows[2 * num_restores :]
         copies = StateCopies((restores[:num_restores], restores[num_restores:]), (saves[:num_saves], saves[num_saves:]))
         device = self._device
         input_ids = self._input_ids(ids, pending, pending_on_device)
+        image_embeds = None
+        if num_image_rows:  # their embeddings by rank 0's broadcast, after the pending values'
+            if self._broadcast is None:
+                raise RuntimeError("rank 0 broadcasts images' embeddings, but this worker has no broadcast")
+            embeds = torch.empty(num_image_rows, image_width, dtype=self._image_dtype, device=device)
+            image_embeds = (to_device(image_rows, device), self._broadcast(embeds))
+        image_blocks = [ImageBlock(*block) for block in blocks.view(-1, _IMAGE_BLOCK).tolist()]
         state_slots = states.tolist() if batch and int(states[0]) >= 0 else None  # a hybrid's (layers.gated_deltanet)
         return ForwardInputs(
             input_ids=input_ids,
@@ -338,16 +397,20 @@ class StepReceiver:
                 seq_lens_cpu=seq_lens.tolist(),
                 block_size=block_size,
                 last_rows_only=bool(last_rows_only),
+                image_embeds=image_embeds,
+                mrope_positions=to_device(mrope_rows.view(3, tokens), device) if mrope else None,
+                image_blocks=image_blocks or None,
             ),
         )
 
     def _decode_graph(
-        self, batch: int, width: int, bucket: int, num_pending: int, pending_on_device: int
+        self, batch: int, width: int, bucket: int, num_pending: int, pending_on_device: int, shifted: int
     ) -> DecodeGraphInputs:
-        ids, seq_lens, tables, slots, *pending = self._read([batch, batch, batch * width, batch], num_pending,
-                                                            pending_on_device)  # fmt: skip
+        sizes = [batch, batch, batch * width, batch, batch * shifted]
+        ids, seq_lens, tables, slots, shifts, *pending = self._read(sizes, num_pending, pending_on_device)
         layout = DecodeLayout(seq_lens.numpy(), tables.view(batch, width).numpy().astype(np.int32), slots.numpy())
-        return DecodeGraphInputs(self._input_ids(ids, pending, pending_on_device), layout, bucket)
+        position_shifts = shifts.numpy() if shifted else None
+        return DecodeGraphInputs(self._input_ids(ids, pending, pending_on_device), layout, bucket, position_shifts)
 
     def _read(self, sizes: list[int], num_pending: int, pending_on_device: int) -> list[torch.Tensor]:
         """The payload's parts of `sizes` values each (a copy: the buffer is rank 0's again after the first

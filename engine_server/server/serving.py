@@ -238,8 +238,8 @@ class ServingEngine:
         pooling = ModelPooling.for_model(
             source.path, source.config.hidden_size, source.config.encoder, source.config.num_labels == 1
         )
-        images = served_images(source.config.multimodal, source.path, config.tensor_parallel_size, tokenizer,
-                               config.scheduler.max_num_batched_tokens)  # fmt: skip
+        max_step = config.scheduler.max_num_batched_tokens
+        images = served_images(source.config.multimodal, source.path, tokenizer, max_step)
         return cls(
             core, tokenizer, source.name, eos, loop, grammar_config, generation_defaults=defaults, pooling=pooling,
             images=images,

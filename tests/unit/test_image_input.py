@@ -385,8 +385,8 @@ def test_images_over_a_decoder_that_lays_no_image_rows_are_refused_at_load(
 
 
 def test_where_images_are_not_served_the_refusal_says_why(llava: tuple[Path, Any], tmp_path: Path) -> None:
-    """Under tensor parallelism, or without the checkpoint's image processor, a LLaVA checkpoint serves its text model
-    and refuses images, saying why; no vision encoder is loaded for it."""
+    """Without the checkpoint's image processor a LLaVA checkpoint serves its text model and refuses images, saying
+    why; no vision encoder is loaded for it."""
     import shutil
 
     from engine_server.hf_config import model_config_from_hf
@@ -395,12 +395,11 @@ def test_where_images_are_not_served_the_refusal_says_why(llava: tuple[Path, Any
     folder = llava[0]
     config = model_config_from_hf(json.loads((folder / "config.json").read_text()))
     assert served_images(config.multimodal, folder)[0] is not None
-    assert served_images(config.multimodal, folder, 2) == (None, images_refusal(config.multimodal, folder, 2))
-    assert "tensor parallelism" in images_refusal(config.multimodal, folder, 2)
     bare = tmp_path / "bare"
     shutil.copytree(folder, bare)
     (bare / "preprocessor_config.json").unlink()
     assert "no image processor" in images_refusal(config.multimodal, bare)
+    assert served_images(config.multimodal, bare) == (None, images_refusal(config.multimodal, bare))
     with engine(bare) as llm:
         assert llm.core.runner.image_features is None
         with pytest.raises(ValidationError, match="no image processor"):
@@ -831,3 +830,24 @@ def test_an_aya_vision_checkpoint_answers_image_prompts_as_transformers_does(tmp
     inputs = [aya_vision_inputs(tmp_path, prompt) for prompt in prompts]
     assert any(len(each.get("pixel_values", ())) > 2 for each in inputs)  # (several tiles beside a global view)
     assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl", "gemma3"])
+def test_images_are_read_under_tensor_parallelism_as_on_one_rank(kind: str, tmp_path: Path) -> None:
+    """Two ranks (rank 0 encodes; the encoder's rows, M-RoPE's positions, DeepStack's features and Gemma 3's two-way
+    image blocks reach the other rank with each step): prompts with one image, two and none, batched, in chunks of 20,
+    decoded through the decode graphs' padded path (every rank replaying its own, their rows' positions shifted after
+    the images), answer as transformers does."""
+    if kind == "gemma3":
+        model, inputs_of = save_gemma3(tmp_path), gemma3_inputs
+    else:
+        model, inputs_of = save_qwen_vl(tmp_path, kind), qwen_inputs
+    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    expected = [transformers_greedy(model, inputs_of(tmp_path, prompt)) for prompt in prompts]
+    with engine(tmp_path, chunk=20, tensor_parallel_size=2) as llm:
+        assert llm.core.runner.image_features is not None
+        llm.core.runner.capture_decode_graphs(EagerCapture())
+        results = llm.chat(prompts, GREEDY, use_tqdm=False)
+        replays = llm.core.runner.decode_graphs.replays
+    assert [result.choices[0].token_ids for result in results] == expected
+    assert sum(replays.values()) >= NEW_TOKENS - 1

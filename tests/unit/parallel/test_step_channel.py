@@ -2,7 +2,9 @@
 semaphore (no process group needed), and the worker waits blocked, not spinning, between messages. A step's
 pending input tokens (sampled by the last launch, not on the host yet) reach the worker through the buffer, or,
 where the model is on a device, through the group's broadcast (run here on gloo with host tensors: the same
-messages and collective order as NCCL's device-to-device broadcast on CUDA)."""
+messages and collective order as NCCL's device-to-device broadcast on CUDA). A step's images travel as integers (their
+rows, M-RoPE's positions, two-way image blocks, decode rows' position shifts) and, through the broadcast, as floats
+(the encoder's rows)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ from multiprocessing.queues import Queue
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine_server.attention_metadata import AttentionMetadata, DecodeLayout
+from engine_server.layers.image_blocks import ImageBlock
 from engine_server.parallel.group import destroy_tensor_parallel, init_tensor_parallel
 from engine_server.parallel.step_channel import (
     SLOTS,
@@ -40,6 +44,9 @@ def _worker(channel: StepChannel, results: Queue[Any]) -> None:
             meta = inputs.meta
             results.put(("forward", inputs.input_ids.tolist(), inputs.positions.tolist(), meta.query_lens_cpu,
                          meta.seq_lens_cpu, meta.block_tables.tolist(), meta.slot_mapping.tolist()))  # fmt: skip
+            if meta.mrope_positions is not None or meta.image_blocks:
+                mrope = None if meta.mrope_positions is None else meta.mrope_positions.tolist()
+                results.put(("images", mrope, meta.image_blocks))
         elif message.kind is MessageKind.DECODE_GRAPH:
             assert message.decode is not None
             step = message.decode
@@ -47,6 +54,8 @@ def _worker(channel: StepChannel, results: Queue[Any]) -> None:
             results.put(("decode_graph", step.input_ids.tolist(), layout.seq_lens.tolist(),
                          layout.block_tables.tolist(), str(layout.block_tables.dtype), layout.slots.tolist(),
                          step.bucket))  # fmt: skip
+            if step.position_shifts is not None:
+                results.put(("shifts", step.position_shifts.tolist()))
         elif message.kind is MessageKind.LOGITS:
             results.put(("logits", None if message.rows is None else message.rows.tolist()))
         elif message.kind is MessageKind.CAPTURE:
@@ -94,6 +103,16 @@ def test_messages_arrive_as_sent_and_the_worker_waits_without_spinning() -> None
         assert results.get(timeout=10) == (
             "decode_graph", [31, 98, 33], [4, 8, 2], [[4, -1], [0, 2], [5, -1]], "int32", [19, 11, 21], 4
         )  # fmt: skip
+        # Images' integers: M-RoPE's positions, an image whose tokens attend both ways; decode rows' shifts.
+        images = AttentionMetadata.build([3, 1], [3, 7], [[4], [0, 2]], block_size=4, device="cpu")
+        images.mrope_positions = torch.tensor([[0, 1, 1, 6], [0, 1, 2, 6], [0, 2, 1, 6]])
+        images.image_blocks = [ImageBlock(0, 1, 1, 2, 3)]
+        sender.forward(torch.tensor([11, 12, 13, 14]), torch.tensor([0, 1, 2, 6]), images)
+        assert results.get(timeout=10)[0] == "forward"
+        assert results.get(timeout=10) == ("images", images.mrope_positions.tolist(), images.image_blocks)
+        sender.decode_graph(torch.tensor([31, 32, 33]), layout, 4, position_shifts=np.array([-5, 0, 2]))
+        assert results.get(timeout=10)[0] == "decode_graph"
+        assert results.get(timeout=10) == ("shifts", [-5, 0, 2])
         sender.capture(eager=True)
         assert results.get(timeout=10) == ("capture", True)
         sender.logits(torch.tensor([2, 3]))
@@ -146,6 +165,10 @@ def _broadcast_rank(rank: int, channel: StepChannel, init_method: str, results: 
             layout = DecodeLayout.build([2, 5, 9], [[3], [1, 6], [2, 4, 7]], block_size=4)
             sender.decode_graph(torch.zeros(3, dtype=torch.int64), layout, 4,
                                 PendingTokens(torch.tensor([0, 1, 2]), torch.tensor([90, 91, 92])))  # fmt: skip
+            # A step with images: their rows' embeddings after the pending values, both by the broadcast.
+            meta.image_embeds = (torch.tensor([0, 2]), torch.tensor([[0.5, -1.0, 2.0], [3.0, 4.5, -6.0]]))
+            sender.forward(torch.zeros(3, dtype=torch.int64), torch.tensor([1, 4, 8]), meta,
+                           PendingTokens(torch.tensor([2]), torch.tensor([60])))  # fmt: skip
             sender.stop()
             return
         receiver = StepReceiver(channel, 1, torch.device("cpu"), tp.broadcast_from_driver_tensor)
@@ -155,6 +178,8 @@ def _broadcast_rank(rank: int, channel: StepChannel, init_method: str, results: 
             else:
                 assert message.forward is not None
                 results.put((message.forward.input_ids.tolist(), message.forward.meta.slot_mapping.tolist()))
+                if message.forward.meta.image_embeds is not None:
+                    results.put(tuple(part.tolist() for part in message.forward.meta.image_embeds))
     finally:
         destroy_tensor_parallel(tp)
 
@@ -171,6 +196,8 @@ def test_pending_tokens_go_through_the_groups_broadcast_where_the_model_is_on_a_
         assert results.get(timeout=60) == ([70, 71, 72], [13, 24, 28])
         assert results.get(timeout=10) == ([5, 80, 6], [13, 24, 28])
         assert results.get(timeout=10) == ([90, 91, 92], [13, 24, 28])
+        assert results.get(timeout=10) == ([0, 0, 60], [13, 24, 28])
+        assert results.get(timeout=10) == ([0, 2], [[0.5, -1.0, 2.0], [3.0, 4.5, -6.0]])
     finally:
         for process in ranks:
             process.join(timeout=30)
