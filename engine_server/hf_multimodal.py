@@ -9,8 +9,8 @@ Their `config.json` is read as transformers reads it (its composite config class
 differs from the class's defaults, and early ones are flat, the text model's keys at the top level), and the text
 model's config (`text_config`) is read as the family's own, under the embedding tie of the composite model (the one
 transformers ties the LM head by). The towers and projectors beside the text model are read only where images are
-served (`engine_server.multimodal`, `MultimodalCheckpoint.images`: LLaVA, LLaVA-NeXT, Mistral 3, InternVL, Idefics 3,
-SmolVLM, the Qwen-VL and GLM-4.xV kinds); the other kinds serve text prompts, and a turn with an image is refused by
+served (`engine_server.multimodal`, `MultimodalCheckpoint.images`: LLaVA, LLaVA-NeXT, ViP-LLaVA, Aya Vision, Gemma 3,
+Mistral 3, InternVL, Idefics 3, SmolVLM, the Qwen-VL and GLM-4.xV kinds); the other kinds serve text prompts, and a turn with an image is refused by
 name.
 
 A text prompt takes the text model alone in each of these: the M-RoPE of the Qwen-VL and GLM-V families turns a text
@@ -100,8 +100,8 @@ def multimodal_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], Multimo
 
 
 def _image_input(composite: Any) -> ImageInput | None:
-    """How a checkpoint whose images are served reads them: LLaVA's, LLaVA-NeXT's and Aya Vision's over a CLIP or
-    SigLIP tower, whose class token (CLIP's) the "default" feature strategy drops; Gemma 3's; Mistral 3's over Pixtral;
+    """How a checkpoint whose images are served reads them: LLaVA's, LLaVA-NeXT's, ViP-LLaVA's and Aya Vision's over a
+    CLIP or SigLIP tower, whose class token (CLIP's) the "default" feature strategy drops (ViP-LLaVA's always); Gemma 3's; Mistral 3's over Pixtral;
     InternVL's, Idefics 3's and SmolVLM's tiles; the Qwen-VL kinds' (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE;
     GLM-4.1V, 4.5V and 4.6V), their text model's M-RoPE sections (Qwen3-VL's interleaved) and Qwen3-VL's DeepStack
     layers. None for every other kind (text prompts alone)."""
@@ -139,13 +139,13 @@ def _image_input(composite: Any) -> ImageInput | None:
     if composite.model_type == "aya_vision" and composite.vision_config.model_type == "siglip_vision_model":
         return ImageInput("aya_vision", int(composite.image_token_id), int(composite.vision_config.patch_size),
                           merge_size=int(composite.downsample_factor), placeholder="<image>")  # fmt: skip
-    if composite.model_type not in ("llava", "llava_next"):
+    if composite.model_type not in ("llava", "llava_next", "vipllava"):
         return None
     vision = composite.vision_config
     class_tokens = _CLASS_TOKENS.get(vision.model_type)
     if class_tokens is None:
         return None
-    dropped = 1 if composite.vision_feature_select_strategy == "default" else 0
+    dropped = 1 if getattr(composite, "vision_feature_select_strategy", "default") == "default" else 0
     image_token, patch = int(composite.image_token_id), int(vision.patch_size)
     return ImageInput(composite.model_type, image_token, patch, class_tokens - dropped)
 

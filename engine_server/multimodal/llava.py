@@ -19,20 +19,24 @@ from engine_server.multimodal.checkpoint import CheckpointEncoder
 
 class LlavaImageEncoder(CheckpointEncoder):
     """pixel values `[N, 3, H, W]` -> `[N, tokens, text hidden]` (`ImageInput.tokens_per_image` tokens an image).
-    Aya Vision's the same over an image's tiles, through its own projector (pixel shuffle, SwiGLU)."""
+    Aya Vision's the same over an image's tiles, through its own projector (pixel shuffle, SwiGLU); ViP-LLaVA's
+    through its own (a LayerNorm over its layers' features before LLaVA's two linears), the class token always
+    dropped."""
 
     def __init__(self, composite: Any) -> None:
         super().__init__()
         from transformers import AutoModel
         from transformers.models.aya_vision.modeling_aya_vision import AyaVisionMultiModalProjector
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+        from transformers.models.vipllava.modeling_vipllava import VipLlavaMultiModalProjector
 
-        aya = composite.model_type == "aya_vision"
-        projector: Any = AyaVisionMultiModalProjector if aya else LlavaMultiModalProjector
+        projectors = {"aya_vision": AyaVisionMultiModalProjector, "vipllava": VipLlavaMultiModalProjector}
+        projector: Any = projectors.get(composite.model_type, LlavaMultiModalProjector)
         self.vision_tower = AutoModel.from_config(composite.vision_config)
         self.multi_modal_projector = projector(composite)
         self.feature_layers: int | list[int] = composite.vision_feature_layer
-        self.drops_class_token = composite.vision_feature_select_strategy == "default"
+        strategy = getattr(composite, "vision_feature_select_strategy", "default")  # (ViP-LLaVA has none: "default")
+        self.drops_class_token = strategy == "default"
 
 
     def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:

@@ -68,6 +68,22 @@ def wide_encoder(name: str) -> bool:
     return not any(part in name for part in ("language_model", "text_model", "lm_head"))
 
 
+def save_vipllava(folder: Path) -> Any:
+    """A tiny ViP-LLaVA checkpoint (LLaVA's CLIP tower, its features of three layers through ViP-LLaVA's projector:
+    a LayerNorm, then two linears) saved in `folder` as transformers saves it; returns the model."""
+    import transformers
+    from transformers import CLIPImageProcessor
+
+    image_token = vision_tokenizer(folder, ["<image>"], PARTS_BY_LOOP).convert_tokens_to_ids("<image>")
+    text = {**_SHAPE, "model_type": "llama", "vocab_size": image_token + 8}
+    config = transformers.VipLlavaConfig(text_config=text, vision_config=_CLIP, image_token_index=image_token,
+                                         vision_feature_layer=[0, 1, -1])  # fmt: skip
+    model = save_drawn(folder, transformers.VipLlavaForConditionalGeneration, config, wide_encoder, (0.08, 0.3))
+    size = {"shortest_edge": IMAGE_SIZE}
+    CLIPImageProcessor(size=size, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(folder)
+    return model
+
+
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     folder = tmp_path_factory.mktemp("llava-images")
@@ -99,7 +115,8 @@ def processor_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor
     )  # fmt: skip
     conversation = template_turns(prompt)
     text = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-    inputs: dict[str, torch.Tensor] = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
+    inputs: dict[str, torch.Tensor] = processor(text=text, images=images or None, return_tensors="pt",
+                                                add_special_tokens=False)  # fmt: skip
     return inputs
 
 
@@ -149,6 +166,16 @@ def test_an_image_prompt_is_laid_out_and_answered_as_transformers_does(
     assert result.prompt_token_ids == inputs["input_ids"][0].tolist()
     assert result.prompt_token_ids.count(model.config.image_token_id) == IMAGE_TOKENS * len(inputs["pixel_values"])
     assert result.choices[0].token_ids == transformers_greedy(model, inputs)
+
+
+def test_a_vipllava_checkpoint_answers_image_prompts_as_transformers_does(tmp_path: Path) -> None:
+    """ViP-LLaVA (its tower's features of several layers, class token dropped, normed before LLaVA's projector): the
+    prompt's ids are its processor's (LLaVA's); prompts with one image, two and none, batched, whole and in chunks of
+    7, answer as transformers does."""
+    model = save_vipllava(tmp_path)
+    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    inputs = [processor_inputs(tmp_path, prompt) for prompt in prompts]
+    assert_serves_like(tmp_path, model, prompts, inputs, (2048, 7))
 
 
 @pytest.mark.parametrize("chunk", [7, 1])
