@@ -227,8 +227,8 @@ class ChatMessage(_message.Message):
     role: _builtins.str
     """"system", "user", "assistant" or "tool"."""
     content: _builtins.str
-    """The text of the turn (multi-part text content is joined by the caller). A turn that holds images sends
-    `content_parts` instead.
+    """The text of the turn (multi-part text content is joined by the caller). A turn that holds images or audio
+    sends `content_parts` instead.
     """
     tool_call_id: _builtins.str
     """For role "tool": the id of the call this message answers."""
@@ -240,8 +240,9 @@ class ChatMessage(_message.Message):
 
     @_builtins.property
     def content_parts(self) -> _containers.RepeatedCompositeFieldContainer[Global___ContentPart]:
-        """The turn's content as ordered parts, for a turn that holds images (text, an image, more text): set either
-        this or `content`, not both. A model that reads no images refuses a turn with an image (INVALID_ARGUMENT).
+        """The turn's content as ordered parts, for a turn that holds images or audio (text, an image, more text): set
+        either this or `content`, not both. A model that reads no images refuses a turn with an image, one that hears
+        no audio a turn with an audio clip (INVALID_ARGUMENT).
         """
 
     def __init__(
@@ -270,23 +271,29 @@ class ContentPart(_message.Message):
 
     TEXT_FIELD_NUMBER: _builtins.int
     IMAGE_FIELD_NUMBER: _builtins.int
+    AUDIO_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text."""
     @_builtins.property
     def image(self) -> Global___Image:
         """An image, at its place among the turn's text."""
 
+    @_builtins.property
+    def audio(self) -> Global___Audio:
+        """An audio clip, at its place among the turn's text."""
+
     def __init__(
         self,
         *,
         text: _builtins.str = ...,
         image: Global___Image | None = ...,
+        audio: Global___Audio | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["image", b"image", "part", b"part", "text", b"text"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio", "image", b"image", "part", b"part", "text", b"text"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["image", b"image", "part", b"part", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio", "image", b"image", "part", b"part", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["text", "image"]  # noqa: Y015
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["text", "image", "audio"]  # noqa: Y015
     _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
 
@@ -315,6 +322,32 @@ class Image(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Image: _TypeAlias = Image  # noqa: Y015
+
+@_typing.final
+class Audio(_message.Message):
+    """Audio is one audio clip of a chat turn, as its encoded file (the gateway turns an OpenAI `input_audio` part, its
+    base64 data, or an `audio_url`, a data: URL or a fetched http(s) one, into these bytes).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """The file's bytes: WAV, FLAC, OGG or MP3, any sample rate, mono or not (the engine mixes the channels down and
+    resamples the clip to its model's rate).
+    """
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Audio: _TypeAlias = Audio  # noqa: Y015
 
 @_typing.final
 class Tool(_message.Message):

@@ -14,7 +14,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file ladle/v1/types.proto.
  */
 export const file_ladle_v1_types: GenFile = /*@__PURE__*/
-  fileDesc("ChRsYWRsZS92MS90eXBlcy5wcm90bxIIbGFkbGUudjEibQoFSW5wdXQSDgoEdGV4dBgBIAEoCUgAEiMKBGNoYXQYAiABKAsyEy5sYWRsZS52MS5DaGF0SW5wdXRIABInCgl0b2tlbl9pZHMYAyABKAsyEi5sYWRsZS52MS5Ub2tlbklkc0gAQgYKBGtpbmQiFwoIVG9rZW5JZHMSCwoDaWRzGAEgAygNIt8BCglDaGF0SW5wdXQSJwoIbWVzc2FnZXMYASADKAsyFS5sYWRsZS52MS5DaGF0TWVzc2FnZRIdCgV0b29scxgCIAMoCzIOLmxhZGxlLnYxLlRvb2wSKQoLdG9vbF9jaG9pY2UYAyABKAsyFC5sYWRsZS52MS5Ub29sQ2hvaWNlEiIKFWFkZF9nZW5lcmF0aW9uX3Byb21wdBgEIAEoCEgAiAEBEiEKGWNoYXRfdGVtcGxhdGVfa3dhcmdzX2pzb24YBSABKAlCGAoWX2FkZF9nZW5lcmF0aW9uX3Byb21wdCKmAQoLQ2hhdE1lc3NhZ2USDAoEcm9sZRgBIAEoCRIPCgdjb250ZW50GAIgASgJEiYKCnRvb2xfY2FsbHMYAyADKAsyEi5sYWRsZS52MS5Ub29sQ2FsbBIUCgx0b29sX2NhbGxfaWQYBCABKAkSDAoEbmFtZRgFIAEoCRIsCg1jb250ZW50X3BhcnRzGAYgAygLMhUubGFkbGUudjEuQ29udGVudFBhcnQiRwoLQ29udGVudFBhcnQSDgoEdGV4dBgBIAEoCUgAEiAKBWltYWdlGAIgASgLMg8ubGFkbGUudjEuSW1hZ2VIAEIGCgRwYXJ0IhUKBUltYWdlEgwKBGRhdGEYASABKAwiUgoEVG9vbBIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhcKD3BhcmFtZXRlcnNfanNvbhgDIAEoCRIOCgZzdHJpY3QYBCABKAgiWQoKVG9vbENob2ljZRIoCgRtb2RlGAEgASgOMhgubGFkbGUudjEuVG9vbENob2ljZU1vZGVIABIXCg1mdW5jdGlvbl9uYW1lGAIgASgJSABCCAoGY2hvaWNlIjwKCFRvb2xDYWxsEgoKAmlkGAEgASgJEgwKBG5hbWUYAiABKAkSFgoOYXJndW1lbnRzX2pzb24YAyABKAkiVgoNVG9vbENhbGxEZWx0YRINCgVpbmRleBgBIAEoDRIKCgJpZBgCIAEoCRIMCgRuYW1lGAMgASgJEhwKFGFyZ3VtZW50c19qc29uX2RlbHRhGAQgASgJIqYGCg5TYW1wbGluZ1BhcmFtcxIXCgptYXhfdG9rZW5zGAEgASgNSACIAQESGAoLdGVtcGVyYXR1cmUYAiABKAJIAYgBARISCgV0b3BfcBgDIAEoAkgCiAEBEhIKBXRvcF9rGAQgASgFSAOIAQESEgoFbWluX3AYBSABKAJIBIgBARIdChBwcmVzZW5jZV9wZW5hbHR5GAYgASgCSAWIAQESHgoRZnJlcXVlbmN5X3BlbmFsdHkYByABKAJIBogBARIfChJyZXBldGl0aW9uX3BlbmFsdHkYCCABKAJIB4gBARI7Cgpsb2dpdF9iaWFzGAkgAygLMicubGFkbGUudjEuU2FtcGxpbmdQYXJhbXMuTG9naXRCaWFzRW50cnkSEQoEc2VlZBgKIAEoBEgIiAEBEhIKCm1pbl90b2tlbnMYCyABKA0SDAoEc3RvcBgMIAMoCRIWCg5zdG9wX3Rva2VuX2lkcxgNIAMoDRISCgppZ25vcmVfZW9zGA4gASgIEg4KAW4YDyABKA1ICYgBARIQCghsb2dwcm9icxgQIAEoCBIUCgx0b3BfbG9ncHJvYnMYESABKA0SIAoTc2tpcF9zcGVjaWFsX3Rva2VucxgSIAEoCEgKiAEBEiIKGmluY2x1ZGVfc3RvcF9zdHJfaW5fb3V0cHV0GBMgASgIEhwKD3Byb21wdF9sb2dwcm9icxgUIAEoDUgLiAEBEh8KF3JldHVybl9wcm9tcHRfdG9rZW5faWRzGBUgASgIGjAKDkxvZ2l0Qmlhc0VudHJ5EgsKA2tleRgBIAEoDRINCgV2YWx1ZRgCIAEoAjoCOAFCDQoLX21heF90b2tlbnNCDgoMX3RlbXBlcmF0dXJlQggKBl90b3BfcEIICgZfdG9wX2tCCAoGX21pbl9wQhMKEV9wcmVzZW5jZV9wZW5hbHR5QhQKEl9mcmVxdWVuY3lfcGVuYWx0eUIVChNfcmVwZXRpdGlvbl9wZW5hbHR5QgcKBV9zZWVkQgQKAl9uQhYKFF9za2lwX3NwZWNpYWxfdG9rZW5zQhIKEF9wcm9tcHRfbG9ncHJvYnMipgEKCkNvbnN0cmFpbnQSFQoLanNvbl9zY2hlbWEYASABKAlIABItCgtqc29uX29iamVjdBgCIAEoCzIWLmdvb2dsZS5wcm90b2J1Zi5FbXB0eUgAEg8KBXJlZ2V4GAMgASgJSAASJgoGY2hvaWNlGAQgASgLMhQubGFkbGUudjEuQ2hvaWNlTGlzdEgAEhEKB2dyYW1tYXIYBSABKAlIAEIGCgRraW5kIh0KCkNob2ljZUxpc3QSDwoHY2hvaWNlcxgBIAMoCSI5CgtNYXRjaGVkU3RvcBIOCgR0ZXh0GAEgASgJSAASEgoIdG9rZW5faWQYAiABKA1IAEIGCgRraW5kIoECCgZDaG9pY2USDQoFaW5kZXgYASABKA0SDAoEdGV4dBgCIAEoCRIRCgl0b2tlbl9pZHMYAyADKA0SLQoNZmluaXNoX3JlYXNvbhgEIAEoDjIWLmxhZGxlLnYxLkZpbmlzaFJlYXNvbhIrCgxtYXRjaGVkX3N0b3AYBSABKAsyFS5sYWRsZS52MS5NYXRjaGVkU3RvcBIoCghsb2dwcm9icxgGIAMoCzIWLmxhZGxlLnYxLlRva2VuTG9ncHJvYhImCgp0b29sX2NhbGxzGAcgAygLMhIubGFkbGUudjEuVG9vbENhbGwSGQoRcmVhc29uaW5nX2NvbnRlbnQYCCABKAkiiwIKC0Nob2ljZURlbHRhEg0KBWluZGV4GAEgASgNEgwKBHRleHQYAiABKAkSEQoJdG9rZW5faWRzGAMgAygNEigKCGxvZ3Byb2JzGAQgAygLMhYubGFkbGUudjEuVG9rZW5Mb2dwcm9iEi0KDWZpbmlzaF9yZWFzb24YBSABKA4yFi5sYWRsZS52MS5GaW5pc2hSZWFzb24SKwoMbWF0Y2hlZF9zdG9wGAYgASgLMhUubGFkbGUudjEuTWF0Y2hlZFN0b3ASKwoKdG9vbF9jYWxscxgHIAMoCzIXLmxhZGxlLnYxLlRvb2xDYWxsRGVsdGESGQoRcmVhc29uaW5nX2NvbnRlbnQYCCABKAkigAEKDlByb21wdExvZ3Byb2JzEhYKDmZpcnN0X3Rva2VuX2lkGAEgASgNEhMKC2ZpcnN0X3Rva2VuGAIgASgJEhkKEWZpcnN0X3Rva2VuX2J5dGVzGAMgASgMEiYKBnRva2VucxgEIAMoCzIWLmxhZGxlLnYxLlRva2VuTG9ncHJvYiKPAQoMVG9rZW5Mb2dwcm9iEhAKCHRva2VuX2lkGAEgASgNEg0KBXRva2VuGAIgASgJEg8KB2xvZ3Byb2IYAyABKAISEwoLdG9rZW5fYnl0ZXMYBCABKAwSKgoMdG9wX2xvZ3Byb2JzGAUgAygLMhQubGFkbGUudjEuVG9wTG9ncHJvYhIMCgRyYW5rGAYgASgNIlMKClRvcExvZ3Byb2ISEAoIdG9rZW5faWQYASABKA0SDQoFdG9rZW4YAiABKAkSDwoHbG9ncHJvYhgDIAEoAhITCgt0b2tlbl9ieXRlcxgEIAEoDCKHAQoFVXNhZ2USFQoNcHJvbXB0X3Rva2VucxgBIAEoDRIZChFjb21wbGV0aW9uX3Rva2VucxgCIAEoDRIUCgx0b3RhbF90b2tlbnMYAyABKA0SHAoUY2FjaGVkX3Byb21wdF90b2tlbnMYBCABKA0SGAoQcmVhc29uaW5nX3Rva2VucxgFIAEoDSqHAQoOVG9vbENob2ljZU1vZGUSIAocVE9PTF9DSE9JQ0VfTU9ERV9VTlNQRUNJRklFRBAAEhkKFVRPT0xfQ0hPSUNFX01PREVfTk9ORRABEhkKFVRPT0xfQ0hPSUNFX01PREVfQVVUTxACEh0KGVRPT0xfQ0hPSUNFX01PREVfUkVRVUlSRUQQAypSCghQcmlvcml0eRIYChRQUklPUklUWV9VTlNQRUNJRklFRBAAEhgKFFBSSU9SSVRZX0lOVEVSQUNUSVZFEAESEgoOUFJJT1JJVFlfQkFUQ0gQAiqWAQoMRmluaXNoUmVhc29uEh0KGUZJTklTSF9SRUFTT05fVU5TUEVDSUZJRUQQABIWChJGSU5JU0hfUkVBU09OX1NUT1AQARIYChRGSU5JU0hfUkVBU09OX0xFTkdUSBACEhcKE0ZJTklTSF9SRUFTT05fQUJPUlQQAxIcChhGSU5JU0hfUkVBU09OX1RPT0xfQ0FMTFMQBGIGcHJvdG8z", [file_google_protobuf_empty]);
+  fileDesc("ChRsYWRsZS92MS90eXBlcy5wcm90bxIIbGFkbGUudjEibQoFSW5wdXQSDgoEdGV4dBgBIAEoCUgAEiMKBGNoYXQYAiABKAsyEy5sYWRsZS52MS5DaGF0SW5wdXRIABInCgl0b2tlbl9pZHMYAyABKAsyEi5sYWRsZS52MS5Ub2tlbklkc0gAQgYKBGtpbmQiFwoIVG9rZW5JZHMSCwoDaWRzGAEgAygNIt8BCglDaGF0SW5wdXQSJwoIbWVzc2FnZXMYASADKAsyFS5sYWRsZS52MS5DaGF0TWVzc2FnZRIdCgV0b29scxgCIAMoCzIOLmxhZGxlLnYxLlRvb2wSKQoLdG9vbF9jaG9pY2UYAyABKAsyFC5sYWRsZS52MS5Ub29sQ2hvaWNlEiIKFWFkZF9nZW5lcmF0aW9uX3Byb21wdBgEIAEoCEgAiAEBEiEKGWNoYXRfdGVtcGxhdGVfa3dhcmdzX2pzb24YBSABKAlCGAoWX2FkZF9nZW5lcmF0aW9uX3Byb21wdCKmAQoLQ2hhdE1lc3NhZ2USDAoEcm9sZRgBIAEoCRIPCgdjb250ZW50GAIgASgJEiYKCnRvb2xfY2FsbHMYAyADKAsyEi5sYWRsZS52MS5Ub29sQ2FsbBIUCgx0b29sX2NhbGxfaWQYBCABKAkSDAoEbmFtZRgFIAEoCRIsCg1jb250ZW50X3BhcnRzGAYgAygLMhUubGFkbGUudjEuQ29udGVudFBhcnQiaQoLQ29udGVudFBhcnQSDgoEdGV4dBgBIAEoCUgAEiAKBWltYWdlGAIgASgLMg8ubGFkbGUudjEuSW1hZ2VIABIgCgVhdWRpbxgDIAEoCzIPLmxhZGxlLnYxLkF1ZGlvSABCBgoEcGFydCIVCgVJbWFnZRIMCgRkYXRhGAEgASgMIhUKBUF1ZGlvEgwKBGRhdGEYASABKAwiUgoEVG9vbBIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhcKD3BhcmFtZXRlcnNfanNvbhgDIAEoCRIOCgZzdHJpY3QYBCABKAgiWQoKVG9vbENob2ljZRIoCgRtb2RlGAEgASgOMhgubGFkbGUudjEuVG9vbENob2ljZU1vZGVIABIXCg1mdW5jdGlvbl9uYW1lGAIgASgJSABCCAoGY2hvaWNlIjwKCFRvb2xDYWxsEgoKAmlkGAEgASgJEgwKBG5hbWUYAiABKAkSFgoOYXJndW1lbnRzX2pzb24YAyABKAkiVgoNVG9vbENhbGxEZWx0YRINCgVpbmRleBgBIAEoDRIKCgJpZBgCIAEoCRIMCgRuYW1lGAMgASgJEhwKFGFyZ3VtZW50c19qc29uX2RlbHRhGAQgASgJIqYGCg5TYW1wbGluZ1BhcmFtcxIXCgptYXhfdG9rZW5zGAEgASgNSACIAQESGAoLdGVtcGVyYXR1cmUYAiABKAJIAYgBARISCgV0b3BfcBgDIAEoAkgCiAEBEhIKBXRvcF9rGAQgASgFSAOIAQESEgoFbWluX3AYBSABKAJIBIgBARIdChBwcmVzZW5jZV9wZW5hbHR5GAYgASgCSAWIAQESHgoRZnJlcXVlbmN5X3BlbmFsdHkYByABKAJIBogBARIfChJyZXBldGl0aW9uX3BlbmFsdHkYCCABKAJIB4gBARI7Cgpsb2dpdF9iaWFzGAkgAygLMicubGFkbGUudjEuU2FtcGxpbmdQYXJhbXMuTG9naXRCaWFzRW50cnkSEQoEc2VlZBgKIAEoBEgIiAEBEhIKCm1pbl90b2tlbnMYCyABKA0SDAoEc3RvcBgMIAMoCRIWCg5zdG9wX3Rva2VuX2lkcxgNIAMoDRISCgppZ25vcmVfZW9zGA4gASgIEg4KAW4YDyABKA1ICYgBARIQCghsb2dwcm9icxgQIAEoCBIUCgx0b3BfbG9ncHJvYnMYESABKA0SIAoTc2tpcF9zcGVjaWFsX3Rva2VucxgSIAEoCEgKiAEBEiIKGmluY2x1ZGVfc3RvcF9zdHJfaW5fb3V0cHV0GBMgASgIEhwKD3Byb21wdF9sb2dwcm9icxgUIAEoDUgLiAEBEh8KF3JldHVybl9wcm9tcHRfdG9rZW5faWRzGBUgASgIGjAKDkxvZ2l0Qmlhc0VudHJ5EgsKA2tleRgBIAEoDRINCgV2YWx1ZRgCIAEoAjoCOAFCDQoLX21heF90b2tlbnNCDgoMX3RlbXBlcmF0dXJlQggKBl90b3BfcEIICgZfdG9wX2tCCAoGX21pbl9wQhMKEV9wcmVzZW5jZV9wZW5hbHR5QhQKEl9mcmVxdWVuY3lfcGVuYWx0eUIVChNfcmVwZXRpdGlvbl9wZW5hbHR5QgcKBV9zZWVkQgQKAl9uQhYKFF9za2lwX3NwZWNpYWxfdG9rZW5zQhIKEF9wcm9tcHRfbG9ncHJvYnMipgEKCkNvbnN0cmFpbnQSFQoLanNvbl9zY2hlbWEYASABKAlIABItCgtqc29uX29iamVjdBgCIAEoCzIWLmdvb2dsZS5wcm90b2J1Zi5FbXB0eUgAEg8KBXJlZ2V4GAMgASgJSAASJgoGY2hvaWNlGAQgASgLMhQubGFkbGUudjEuQ2hvaWNlTGlzdEgAEhEKB2dyYW1tYXIYBSABKAlIAEIGCgRraW5kIh0KCkNob2ljZUxpc3QSDwoHY2hvaWNlcxgBIAMoCSI5CgtNYXRjaGVkU3RvcBIOCgR0ZXh0GAEgASgJSAASEgoIdG9rZW5faWQYAiABKA1IAEIGCgRraW5kIoECCgZDaG9pY2USDQoFaW5kZXgYASABKA0SDAoEdGV4dBgCIAEoCRIRCgl0b2tlbl9pZHMYAyADKA0SLQoNZmluaXNoX3JlYXNvbhgEIAEoDjIWLmxhZGxlLnYxLkZpbmlzaFJlYXNvbhIrCgxtYXRjaGVkX3N0b3AYBSABKAsyFS5sYWRsZS52MS5NYXRjaGVkU3RvcBIoCghsb2dwcm9icxgGIAMoCzIWLmxhZGxlLnYxLlRva2VuTG9ncHJvYhImCgp0b29sX2NhbGxzGAcgAygLMhIubGFkbGUudjEuVG9vbENhbGwSGQoRcmVhc29uaW5nX2NvbnRlbnQYCCABKAkiiwIKC0Nob2ljZURlbHRhEg0KBWluZGV4GAEgASgNEgwKBHRleHQYAiABKAkSEQoJdG9rZW5faWRzGAMgAygNEigKCGxvZ3Byb2JzGAQgAygLMhYubGFkbGUudjEuVG9rZW5Mb2dwcm9iEi0KDWZpbmlzaF9yZWFzb24YBSABKA4yFi5sYWRsZS52MS5GaW5pc2hSZWFzb24SKwoMbWF0Y2hlZF9zdG9wGAYgASgLMhUubGFkbGUudjEuTWF0Y2hlZFN0b3ASKwoKdG9vbF9jYWxscxgHIAMoCzIXLmxhZGxlLnYxLlRvb2xDYWxsRGVsdGESGQoRcmVhc29uaW5nX2NvbnRlbnQYCCABKAkigAEKDlByb21wdExvZ3Byb2JzEhYKDmZpcnN0X3Rva2VuX2lkGAEgASgNEhMKC2ZpcnN0X3Rva2VuGAIgASgJEhkKEWZpcnN0X3Rva2VuX2J5dGVzGAMgASgMEiYKBnRva2VucxgEIAMoCzIWLmxhZGxlLnYxLlRva2VuTG9ncHJvYiKPAQoMVG9rZW5Mb2dwcm9iEhAKCHRva2VuX2lkGAEgASgNEg0KBXRva2VuGAIgASgJEg8KB2xvZ3Byb2IYAyABKAISEwoLdG9rZW5fYnl0ZXMYBCABKAwSKgoMdG9wX2xvZ3Byb2JzGAUgAygLMhQubGFkbGUudjEuVG9wTG9ncHJvYhIMCgRyYW5rGAYgASgNIlMKClRvcExvZ3Byb2ISEAoIdG9rZW5faWQYASABKA0SDQoFdG9rZW4YAiABKAkSDwoHbG9ncHJvYhgDIAEoAhITCgt0b2tlbl9ieXRlcxgEIAEoDCKHAQoFVXNhZ2USFQoNcHJvbXB0X3Rva2VucxgBIAEoDRIZChFjb21wbGV0aW9uX3Rva2VucxgCIAEoDRIUCgx0b3RhbF90b2tlbnMYAyABKA0SHAoUY2FjaGVkX3Byb21wdF90b2tlbnMYBCABKA0SGAoQcmVhc29uaW5nX3Rva2VucxgFIAEoDSqHAQoOVG9vbENob2ljZU1vZGUSIAocVE9PTF9DSE9JQ0VfTU9ERV9VTlNQRUNJRklFRBAAEhkKFVRPT0xfQ0hPSUNFX01PREVfTk9ORRABEhkKFVRPT0xfQ0hPSUNFX01PREVfQVVUTxACEh0KGVRPT0xfQ0hPSUNFX01PREVfUkVRVUlSRUQQAypSCghQcmlvcml0eRIYChRQUklPUklUWV9VTlNQRUNJRklFRBAAEhgKFFBSSU9SSVRZX0lOVEVSQUNUSVZFEAESEgoOUFJJT1JJVFlfQkFUQ0gQAiqWAQoMRmluaXNoUmVhc29uEh0KGUZJTklTSF9SRUFTT05fVU5TUEVDSUZJRUQQABIWChJGSU5JU0hfUkVBU09OX1NUT1AQARIYChRGSU5JU0hfUkVBU09OX0xFTkdUSBACEhcKE0ZJTklTSF9SRUFTT05fQUJPUlQQAxIcChhGSU5JU0hfUkVBU09OX1RPT0xfQ0FMTFMQBGIGcHJvdG8z", [file_google_protobuf_empty]);
 
 /**
  * Input is what the model continues: exactly one of text, chat messages or token ids.
@@ -146,8 +146,8 @@ export type ChatMessage = Message<"ladle.v1.ChatMessage"> & {
   role: string;
 
   /**
-   * The text of the turn (multi-part text content is joined by the caller). A turn that holds images sends
-   * `content_parts` instead.
+   * The text of the turn (multi-part text content is joined by the caller). A turn that holds images or audio
+   * sends `content_parts` instead.
    *
    * @generated from field: string content = 2;
    */
@@ -175,8 +175,9 @@ export type ChatMessage = Message<"ladle.v1.ChatMessage"> & {
   name: string;
 
   /**
-   * The turn's content as ordered parts, for a turn that holds images (text, an image, more text): set either
-   * this or `content`, not both. A model that reads no images refuses a turn with an image (INVALID_ARGUMENT).
+   * The turn's content as ordered parts, for a turn that holds images or audio (text, an image, more text): set
+   * either this or `content`, not both. A model that reads no images refuses a turn with an image, one that hears
+   * no audio a turn with an audio clip (INVALID_ARGUMENT).
    *
    * @generated from field: repeated ladle.v1.ContentPart content_parts = 6;
    */
@@ -217,6 +218,14 @@ export type ContentPart = Message<"ladle.v1.ContentPart"> & {
      */
     value: Image;
     case: "image";
+  } | {
+    /**
+     * An audio clip, at its place among the turn's text.
+     *
+     * @generated from field: ladle.v1.Audio audio = 3;
+     */
+    value: Audio;
+    case: "audio";
   } | { case: undefined; value?: undefined };
 };
 
@@ -248,6 +257,29 @@ export type Image = Message<"ladle.v1.Image"> & {
  */
 export const ImageSchema: GenMessage<Image> = /*@__PURE__*/
   messageDesc(file_ladle_v1_types, 5);
+
+/**
+ * Audio is one audio clip of a chat turn, as its encoded file (the gateway turns an OpenAI `input_audio` part, its
+ * base64 data, or an `audio_url`, a data: URL or a fetched http(s) one, into these bytes).
+ *
+ * @generated from message ladle.v1.Audio
+ */
+export type Audio = Message<"ladle.v1.Audio"> & {
+  /**
+   * The file's bytes: WAV, FLAC, OGG or MP3, any sample rate, mono or not (the engine mixes the channels down and
+   * resamples the clip to its model's rate).
+   *
+   * @generated from field: bytes data = 1;
+   */
+  data: Uint8Array;
+};
+
+/**
+ * Describes the message ladle.v1.Audio.
+ * Use `create(AudioSchema)` to create a new message.
+ */
+export const AudioSchema: GenMessage<Audio> = /*@__PURE__*/
+  messageDesc(file_ladle_v1_types, 6);
 
 /**
  * Tool is a function the model may call.
@@ -289,7 +321,7 @@ export type Tool = Message<"ladle.v1.Tool"> & {
  * Use `create(ToolSchema)` to create a new message.
  */
 export const ToolSchema: GenMessage<Tool> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 6);
+  messageDesc(file_ladle_v1_types, 7);
 
 /**
  * ToolChoice controls tool calling.
@@ -326,7 +358,7 @@ export type ToolChoice = Message<"ladle.v1.ToolChoice"> & {
  * Use `create(ToolChoiceSchema)` to create a new message.
  */
 export const ToolChoiceSchema: GenMessage<ToolChoice> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 7);
+  messageDesc(file_ladle_v1_types, 8);
 
 /**
  * ToolCall is one function call made by the model.
@@ -361,7 +393,7 @@ export type ToolCall = Message<"ladle.v1.ToolCall"> & {
  * Use `create(ToolCallSchema)` to create a new message.
  */
 export const ToolCallSchema: GenMessage<ToolCall> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 8);
+  messageDesc(file_ladle_v1_types, 9);
 
 /**
  * ToolCallDelta is part of a tool call in a stream, as OpenAI streams them.
@@ -403,7 +435,7 @@ export type ToolCallDelta = Message<"ladle.v1.ToolCallDelta"> & {
  * Use `create(ToolCallDeltaSchema)` to create a new message.
  */
 export const ToolCallDeltaSchema: GenMessage<ToolCallDelta> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 9);
+  messageDesc(file_ladle_v1_types, 10);
 
 /**
  * SamplingParams say how tokens are picked. Fields marked optional distinguish "unset" (use the default)
@@ -568,7 +600,7 @@ export type SamplingParams = Message<"ladle.v1.SamplingParams"> & {
  * Use `create(SamplingParamsSchema)` to create a new message.
  */
 export const SamplingParamsSchema: GenMessage<SamplingParams> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 10);
+  messageDesc(file_ladle_v1_types, 11);
 
 /**
  * Constraint restricts the output to a formal language; the engine compiles it with xgrammar.
@@ -629,7 +661,7 @@ export type Constraint = Message<"ladle.v1.Constraint"> & {
  * Use `create(ConstraintSchema)` to create a new message.
  */
 export const ConstraintSchema: GenMessage<Constraint> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 11);
+  messageDesc(file_ladle_v1_types, 12);
 
 /**
  * ChoiceList is a list of allowed outputs.
@@ -650,7 +682,7 @@ export type ChoiceList = Message<"ladle.v1.ChoiceList"> & {
  * Use `create(ChoiceListSchema)` to create a new message.
  */
 export const ChoiceListSchema: GenMessage<ChoiceList> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 12);
+  messageDesc(file_ladle_v1_types, 13);
 
 /**
  * MatchedStop is what ended a choice with FINISH_REASON_STOP.
@@ -687,7 +719,7 @@ export type MatchedStop = Message<"ladle.v1.MatchedStop"> & {
  * Use `create(MatchedStopSchema)` to create a new message.
  */
 export const MatchedStopSchema: GenMessage<MatchedStop> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 13);
+  messageDesc(file_ladle_v1_types, 14);
 
 /**
  * Choice is one finished choice of a generation.
@@ -758,7 +790,7 @@ export type Choice = Message<"ladle.v1.Choice"> & {
  * Use `create(ChoiceSchema)` to create a new message.
  */
 export const ChoiceSchema: GenMessage<Choice> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 14);
+  messageDesc(file_ladle_v1_types, 15);
 
 /**
  * ChoiceDelta is what one choice produced since the previous stream message.
@@ -828,7 +860,7 @@ export type ChoiceDelta = Message<"ladle.v1.ChoiceDelta"> & {
  * Use `create(ChoiceDeltaSchema)` to create a new message.
  */
 export const ChoiceDeltaSchema: GenMessage<ChoiceDelta> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 15);
+  messageDesc(file_ladle_v1_types, 16);
 
 /**
  * PromptLogprobs are a prompt's tokens, each after the first with its log-probability given the tokens before it.
@@ -870,7 +902,7 @@ export type PromptLogprobs = Message<"ladle.v1.PromptLogprobs"> & {
  * Use `create(PromptLogprobsSchema)` to create a new message.
  */
 export const PromptLogprobsSchema: GenMessage<PromptLogprobs> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 16);
+  messageDesc(file_ladle_v1_types, 17);
 
 /**
  * TokenLogprob is the log-probability of one generated token, with the best alternatives.
@@ -927,7 +959,7 @@ export type TokenLogprob = Message<"ladle.v1.TokenLogprob"> & {
  * Use `create(TokenLogprobSchema)` to create a new message.
  */
 export const TokenLogprobSchema: GenMessage<TokenLogprob> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 17);
+  messageDesc(file_ladle_v1_types, 18);
 
 /**
  * TopLogprob is one alternative at a position.
@@ -969,7 +1001,7 @@ export type TopLogprob = Message<"ladle.v1.TopLogprob"> & {
  * Use `create(TopLogprobSchema)` to create a new message.
  */
 export const TopLogprobSchema: GenMessage<TopLogprob> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 18);
+  messageDesc(file_ladle_v1_types, 19);
 
 /**
  * Usage counts tokens for a request.
@@ -1018,7 +1050,7 @@ export type Usage = Message<"ladle.v1.Usage"> & {
  * Use `create(UsageSchema)` to create a new message.
  */
 export const UsageSchema: GenMessage<Usage> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 19);
+  messageDesc(file_ladle_v1_types, 20);
 
 /**
  * ToolChoiceMode is how freely the model may call tools.
