@@ -79,6 +79,17 @@ class ImageInput:
 
 
 @dataclass(frozen=True)
+class AudioInput:
+    """How a multimodal checkpoint whose audio is served hears it (`engine_server.multimodal.audio`): its audio encoder
+    (`encoder`: "qwen2_audio", Qwen2-Audio's Whisper-style tower over a clip's log-mel features, average-pooled, through
+    its projector) and the placeholder token its chat template writes once per clip (`audio_token_id`), expanded by the
+    model's own processor to one token a pooled frame."""
+
+    encoder: str
+    audio_token_id: int
+
+
+@dataclass(frozen=True)
 class MultimodalCheckpoint:
     """A multimodal checkpoint (`model_type`: Gemma 3's, Qwen2.5-VL's, ...) whose text model alone is served: the
     weight prefixes of what sits beside it (`towers`: vision and audio towers, projectors), not read, and the text
@@ -86,13 +97,15 @@ class MultimodalCheckpoint:
     layers), the others numbered on without them. `hidden_first_banks`: (hidden size, an expert's width) of a
     checkpoint whose expert banks may be stored hidden-first, `gate_up_proj` `[E, H, 2 * I]` and `down_proj`
     `[E, I, H]` (Qwen3-VL-MoE as released), transposed at load where their shapes say so, as transformers does.
-    `images`: how the checkpoint reads images, for the kinds whose images are served (LLaVA's)."""
+    `images`: how the checkpoint reads images, for the kinds whose images are served (LLaVA's); `audio`: how it
+    hears audio, for the kinds whose audio is served (Qwen2-Audio's)."""
 
     model_type: str
     towers: tuple[str, ...]
     dropped_layers: tuple[int, ...] = ()
     hidden_first_banks: tuple[int, int] | None = None
     images: ImageInput | None = None  # how images are read, where they are served (None: text prompts alone)
+    audio: AudioInput | None = None  # how audio is heard, where it is served (None: no audio)
 
 
 @dataclass(frozen=True)

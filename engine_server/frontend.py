@@ -16,6 +16,7 @@ from engine_server.core.engine_core import CoreOutput
 from engine_server.core.request import Priority, Request, RequestStatus, RequestTimeline
 from engine_server.errors import ValidationError
 from engine_server.harmony import HarmonyStream
+from engine_server.multimodal.audio import AudioProcessing, PromptAudio
 from engine_server.multimodal.inputs import MultimodalInputs
 from engine_server.multimodal.processing import ImageProcessing, PromptImage
 from engine_server.output import OutputProcessor, TokenTextCodec
@@ -193,14 +194,18 @@ class InputProcessor:
         reasoning_parser: str = "auto",
         images: ImageProcessing | None = None,
         images_refusal: str = "this model reads no images; send text alone",
+        audio: AudioProcessing | None = None,
+        audio_refusal: str = "this model hears no audio; send text alone",
     ) -> None:
         """`tool_call_parser`: EngineConfig.tool_call_parser (the format tool calls are read in, or "auto");
         `reasoning_parser`: EngineConfig.reasoning_parser (auto: on when the chat template mentions <think>);
         `images`: how the model's images are prepared (None: a turn with an image is refused, `images_refusal` the
-        message)."""
+        message); `audio` the same for audio clips."""
         self.tokenizer = tokenizer
         self.images = images
         self.images_refusal = images_refusal
+        self.audio = audio
+        self.audio_refusal = audio_refusal
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -247,17 +252,7 @@ class InputProcessor:
         of its own is refused (ValidationError, param "tool_choice")."""
         if not isinstance(prompt, ChatPrompt):
             return PreparedPrompt(self.tokenize(prompt), params)
-        images = self._chat_images(prompt)
-        text = _unicode(self.render(prompt), "messages")
-        if images:  # (Gemma 3's processor lays its images out in the text: `ImageProcessing.expand_text`)
-            assert self.images is not None
-            ids = self._chat_ids(self.images.expand_text(text))
-        else:
-            ids = self._chat_ids(text)
-        multimodal = None
-        if images:
-            assert self.images is not None  # (`_chat_images` refuses images otherwise)
-            ids, multimodal = self.images.prepare(ids, images)
+        ids, multimodal, text = self._chat_prompt(prompt)
         choice = prompt.effective_tool_choice
         if self.harmony:
             return self._prepare_harmony(ids, params, prompt, choice)
@@ -284,10 +279,25 @@ class InputProcessor:
             params = dataclasses.replace(params, skip_special_tokens=False)
         return PreparedPrompt(ids, params, parsing, reasoning, tags, multimodal=multimodal)
 
-    def _chat_images(self, prompt: ChatPrompt) -> list[PromptImage]:
-        """The conversation's images in order; ValidationError where the model reads none or one is outside a user
-        turn (as OpenAI's API reads them)."""
-        images = []
+    def _chat_prompt(self, prompt: ChatPrompt) -> tuple[list[int], MultimodalInputs | None, str]:
+        """A conversation's prompt ids (each image's or clip's placeholder expanded to its tokens), what its images or
+        clips give the encoder (None: none), and its rendered text. ValidationError (`_chat_media`)."""
+        images, clips = self._chat_media(prompt)
+        text = _unicode(self.render(prompt), "messages")
+        if images:  # (Gemma 3's processor lays its images out in the text: `ImageProcessing.expand_text`)
+            assert self.images is not None  # (`_chat_media` refuses them otherwise)
+            ids, multimodal = self.images.prepare(self._chat_ids(self.images.expand_text(text)), images)
+            return ids, multimodal, text
+        if clips:
+            assert self.audio is not None
+            ids, multimodal = self.audio.prepare(self._chat_ids(text), clips)
+            return ids, multimodal, text
+        return self._chat_ids(text), None, text
+
+    def _chat_media(self, prompt: ChatPrompt) -> tuple[list[PromptImage], list[PromptAudio]]:
+        """The conversation's images and audio clips in order; ValidationError where the model reads none of their
+        kind or one is outside a user turn (as OpenAI's API reads them)."""
+        images, clips = [], []
         for i, message in enumerate(prompt.messages):
             for j, image in message.images:
                 param = f"messages[{i}].content[{j}]"
@@ -296,7 +306,14 @@ class InputProcessor:
                 if message.role != "user":
                     raise ValidationError(f"images are read in user turns only, not in a {message.role!r} turn", param)
                 images.append(PromptImage(image.data, param))
-        return images
+            for j, clip in message.audio:
+                param = f"messages[{i}].content[{j}]"
+                if self.audio is None:
+                    raise ValidationError(self.audio_refusal, param)
+                if message.role != "user":
+                    raise ValidationError(f"audio is heard in user turns only, not in a {message.role!r} turn", param)
+                clips.append(PromptAudio(clip.data, param))
+        return images, clips
 
     def _prepare_harmony(
         self, ids: list[int], params: SamplingParams, prompt: ChatPrompt, choice: ToolChoice
@@ -324,12 +341,7 @@ class InputProcessor:
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt. Chat is rendered with the model's template (which adds its own specials)."""
         if isinstance(prompt, ChatPrompt):
-            images = self._chat_images(prompt)
-            text = _unicode(self.render(prompt), "messages")
-            if not images:
-                return self._chat_ids(text)
-            assert self.images is not None
-            return self.images.prepare(self._chat_ids(self.images.expand_text(text)), images)[0]
+            return self._chat_prompt(prompt)[0]
         if isinstance(prompt, str):
             if not prompt:
                 raise ValidationError("prompt must not be empty", "prompt")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_server.config import ImageInput, MultimodalCheckpoint
+from engine_server.config import AudioInput, ImageInput, MultimodalCheckpoint
 
 # A multimodal checkpoint's names for its text model's families, and the family the engine reads each as.
 _TEXT_FAMILIES = {
@@ -49,7 +49,7 @@ MULTIMODAL_ARCHITECTURES = frozenset({
     "glm46v", "deepseek_vl", "deepseek_vl_hybrid", "janus", "hyperclovax_vision_v2", "lfm3_vl", "lighton_ocr",
     "llava_onevision1_5", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "ovis2", "ovis2_5", "video_llama_3",
     "video_llava", "vipllava", "qwen2_5_omni", "qwen2_5_omni_thinker", "qwen3_omni_moe", "qwen3_omni_moe_thinker",
-    "phi4_multimodal",
+    "phi4_multimodal", "qwen2_audio",
 })  # fmt: skip
 # The vision towers LLaVA's images are served over, and the class tokens each puts before its patches' rows.
 _CLASS_TOKENS = {"clip_vision_model": 1, "siglip_vision_model": 0}
@@ -96,7 +96,8 @@ def multimodal_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], Multimo
         dropped = tuple(sorted(int(i) for i in text.get("cross_attention_layers") or ()))
         text = {**text, "num_hidden_layers": int(text["num_hidden_layers"]) - len(dropped),
                 "vocab_size": int(text["vocab_size"]) + 8, "output_vocab_size": int(text["vocab_size"])}  # fmt: skip
-    return text, MultimodalCheckpoint(model_type, _TOWERS, dropped, banks, _image_input(composite))
+    return text, MultimodalCheckpoint(model_type, _TOWERS, dropped, banks, _image_input(composite),
+                                      _audio_input(composite))  # fmt: skip
 
 
 def _image_input(composite: Any) -> ImageInput | None:
@@ -148,6 +149,13 @@ def _image_input(composite: Any) -> ImageInput | None:
     dropped = 1 if getattr(composite, "vision_feature_select_strategy", "default") == "default" else 0
     image_token, patch = int(composite.image_token_id), int(vision.patch_size)
     return ImageInput(composite.model_type, image_token, patch, class_tokens - dropped)
+
+
+def _audio_input(composite: Any) -> AudioInput | None:
+    """How a checkpoint whose audio is served hears it: Qwen2-Audio's. None for every other kind."""
+    if composite.model_type == "qwen2_audio":
+        return AudioInput("qwen2_audio", int(composite.audio_token_id))
+    return None
 
 
 def mistral3_checkpoint(cfg: dict[str, Any]) -> MultimodalCheckpoint | None:

@@ -33,6 +33,7 @@ from engine_server.host_memory import freeze_startup_heap
 from engine_server.loader import ModelSource, resolve_model
 from engine_server.lora.peft_format import LoraAdapter
 from engine_server.lora.registry import AdapterRegistry, ServedAdapter
+from engine_server.multimodal.audio import served_audio
 from engine_server.multimodal.processing import served_images
 from engine_server.output import TokenTextCodec
 from engine_server.pooling.params import ModelPooling
@@ -106,6 +107,7 @@ class LLM:
         images, refusal = served_images(
             source.config.multimodal, source.path, self.tokenizer, self.config.scheduler.max_num_batched_tokens
         )  # fmt: skip
+        audio, audio_refusal = served_audio(source.config.multimodal, source.path, self.tokenizer)
         self.inputs = InputProcessor(
             self.tokenizer,
             source.config.vocab_size,
@@ -116,6 +118,8 @@ class LLM:
             reasoning_parser=self.core.config.reasoning_parser,
             images=images,
             images_refusal=refusal,
+            audio=audio,
+            audio_refusal=audio_refusal,
         )
         self.token_text = TokenTextCodec(self.tokenizer)
         self.pooling = ModelPooling.for_model(

@@ -55,6 +55,7 @@ from engine_server.models import (
     get_model_class,
     kv_cache_bytes_per_block,
 )
+from engine_server.multimodal.audio import audio_refusal
 from engine_server.multimodal.features import ImageEncoder
 from engine_server.multimodal.processing import images_refusal
 from engine_server.parallel.group import SINGLE, TensorParallel
@@ -324,19 +325,26 @@ def _load_vision(
     max_num_batched_tokens: int,
 ) -> ImageEncoder | None:
     """The vision encoder of a checkpoint whose images are served (`multimodal.processing.images_refusal`: with its
-    image processor), on rank 0 alone (it sends the encoder's rows to the other ranks with each step:
-    `parallel.step_channel`); None otherwise. ValueError where its text model's decoder is one that lays no image rows
-    over its embeddings (only the shared `DecoderModel`'s forward does), on every rank."""
-    if images_refusal(source.config.multimodal, source.path, max_num_batched_tokens):
+    image processor), or the audio encoder of one whose audio is (`multimodal.audio.audio_refusal`), on rank 0 alone
+    (it sends the encoder's rows to the other ranks with each step: `parallel.step_channel`); None otherwise.
+    ValueError where its text model's decoder is one that lays no such rows over its embeddings (only the shared
+    `DecoderModel`'s forward does), on every rank."""
+    multimodal = source.config.multimodal
+    hears = not audio_refusal(multimodal, source.path)
+    if images_refusal(multimodal, source.path, max_num_batched_tokens) and not hears:
         return None
     decoder = getattr(model, "model", None)
     if decoder is None or type(decoder).forward is not DecoderModel.forward:
         raise ValueError(
-            f"model {source.name!r}: images are served over the shared decoder's text models only, not over "
-            f"{type(decoder).__name__}; remove its preprocessor_config.json to serve its text model alone"
+            f"model {source.name!r}: images and audio are served over the shared decoder's text models only, not "
+            f"over {type(decoder).__name__}; remove its preprocessor_config.json to serve its text model alone"
         )
     if not tp.is_driver:
         return None
+    if hears:
+        from engine_server.multimodal.audio import Qwen2AudioEncoder
+
+        return Qwen2AudioEncoder.from_checkpoint(source.path, source.lazy_weights(), dtype, device)
     from engine_server.multimodal.checkpoint import CheckpointEncoder
     from engine_server.multimodal.llava import (  # (transformers' modules: only for these models)
         Gemma3ImageEncoder,

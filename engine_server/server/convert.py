@@ -41,7 +41,7 @@ from engine_server.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPR
 from engine_server.server.engine_loop import EngineInternalError, LoadSnapshot
 from engine_server.server.serving import GenerationInput, ModelInfo, RequestDeadlineError, TokenizeResult
 from engine_server.structured import Constraint
-from engine_server.tokenizer.chat import ChatImage, ChatMessage, ChatTool, ChatToolCall
+from engine_server.tokenizer.chat import ChatAudio, ChatImage, ChatMessage, ChatTool, ChatToolCall
 from engine_server.tools import ToolCall, ToolCallDelta, ToolChoice, ToolChoiceMode
 from ladle.v1 import engine_pb2, types_pb2
 
@@ -170,7 +170,7 @@ def chat_prompt(chat: types_pb2.ChatInput) -> ChatPrompt:
     )
 
 
-def _content_parts(message: types_pb2.ChatMessage, index: int) -> tuple[str | ChatImage, ...]:
+def _content_parts(message: types_pb2.ChatMessage, index: int) -> tuple[str | ChatImage | ChatAudio, ...]:
     """A turn's `content_parts` in the engine's vocabulary; a turn that sets `content` too, or a part that sets
     neither kind, is refused (param `messages[i].content`)."""
     if not message.content_parts:
@@ -178,12 +178,13 @@ def _content_parts(message: types_pb2.ChatMessage, index: int) -> tuple[str | Ch
     param = f"messages[{index}].content"
     if message.content:
         raise ValidationError("set a message's content or its content_parts, not both", param)
-    parts: list[str | ChatImage] = []
+    parts: list[str | ChatImage | ChatAudio] = []
     for j, part in enumerate(message.content_parts):
         kind = part.WhichOneof("part")
         if kind is None:
-            raise ValidationError("a content part must hold text or an image", f"{param}[{j}]")
-        parts.append(part.text if kind == "text" else ChatImage(part.image.data))
+            raise ValidationError("a content part must hold text, an image or an audio clip", f"{param}[{j}]")
+        parts.append(part.text if kind == "text" else ChatImage(part.image.data) if kind == "image"
+                     else ChatAudio(part.audio.data))  # fmt: skip
     return tuple(parts)
 
 

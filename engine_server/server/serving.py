@@ -46,6 +46,7 @@ from engine_server.llm import engine_eos_ids, engine_generation_defaults
 from engine_server.loader import resolve_model
 from engine_server.lora.peft_format import LoraAdapter
 from engine_server.lora.registry import AdapterRegistry, ServedAdapter
+from engine_server.multimodal.audio import AudioProcessing, served_audio
 from engine_server.multimodal.processing import ImageProcessing, served_images
 from engine_server.output import TokenTextCodec
 from engine_server.pooling.params import ModelPooling, PoolingParams
@@ -137,10 +138,11 @@ class ServingEngine:
         generation_defaults: GenerationDefaults,
         pooling: ModelPooling | None = None,
         images: tuple[ImageProcessing | None, str] = (None, ""),
+        audio: tuple[AudioProcessing | None, str] = (None, ""),
     ) -> None:
         """Takes over `core`: from now on only the EngineLoop's thread touches it. `generation_defaults` fill the
         sampling fields a request leaves unset; GetModelInfo reports them. `pooling`: the model's (default: its
-        last token, normalized)."""
+        last token, normalized). `images`, `audio`: how the model reads them and the refusal where it does not."""
         self.tokenizer = tokenizer
         # An encoder only pools: no grammar to compile (its tokenizer may have no eos for one to end on).
         self.grammar_compiler = (
@@ -152,6 +154,7 @@ class ServingEngine:
             tokenizer, core.model_config.vocab_size, core.max_model_len, eos, grammar_compiler=self.grammar_compiler,
             tool_call_parser=core.config.tool_call_parser, reasoning_parser=core.config.reasoning_parser,
             images=images[0], images_refusal=images[1] or "this model reads no images; send text alone",
+            audio=audio[0], audio_refusal=audio[1] or "this model hears no audio; send text alone",
         )  # fmt: skip
         self.token_text = TokenTextCodec(tokenizer)
         self.info = ModelInfo(
@@ -240,9 +243,10 @@ class ServingEngine:
         )
         max_step = config.scheduler.max_num_batched_tokens
         images = served_images(source.config.multimodal, source.path, tokenizer, max_step)
+        audio = served_audio(source.config.multimodal, source.path, tokenizer)
         return cls(
             core, tokenizer, source.name, eos, loop, grammar_config, generation_defaults=defaults, pooling=pooling,
-            images=images,
+            images=images, audio=audio,
         )  # fmt: skip
 
     async def load_adapter(self, name: str, path: str) -> ServedAdapter:

@@ -40,23 +40,35 @@ class ChatImage:
 
 
 @dataclass(frozen=True)
+class ChatAudio:
+    """An audio clip of a chat turn: its encoded file's bytes (`engine_server.multimodal.audio` hears them)."""
+
+    data: bytes
+
+
+@dataclass(frozen=True)
 class ChatMessage:
     """One conversation turn, in the engine's own vocabulary (independent of proto and OpenAI JSON). A turn that holds
-    images has its text and images in order in `content_parts` (its `content` then empty); templates take those as
-    OpenAI's parts, an image as `{"type": "image"}` (transformers' processors' form, where a template writes the
-    model's image token)."""
+    images or audio has its text, images and clips in order in `content_parts` (its `content` then empty); templates
+    take those as OpenAI's parts, an image as `{"type": "image"}`, a clip as `{"type": "audio"}` (transformers'
+    processors' form, where a template writes the model's image or audio token)."""
 
     role: str
     content: str = ""
     tool_calls: tuple[ChatToolCall, ...] = ()
     tool_call_id: str = ""
     name: str = ""
-    content_parts: tuple[str | ChatImage, ...] = ()
+    content_parts: tuple[str | ChatImage | ChatAudio, ...] = ()
 
     @property
     def images(self) -> list[tuple[int, ChatImage]]:
         """The turn's images with their index among its parts."""
         return [(index, part) for index, part in enumerate(self.content_parts) if isinstance(part, ChatImage)]
+
+    @property
+    def audio(self) -> list[tuple[int, ChatAudio]]:
+        """The turn's audio clips with their index among its parts."""
+        return [(index, part) for index, part in enumerate(self.content_parts) if isinstance(part, ChatAudio)]
 
 
 @dataclass(frozen=True)
@@ -82,15 +94,16 @@ def _arguments(call: ChatToolCall, as_text: bool) -> Any:
 
 def _message_dict(message: ChatMessage, text_arguments: bool = False, parts: bool = False) -> dict[str, Any]:
     """A turn as templates take it; its content a list of OpenAI's text parts (one, or none for no text) where
-    `parts`, else the string; a turn with images always its parts (`ChatMessage`)."""
+    `parts`, else the string; a turn with images or audio always its parts (`ChatMessage`)."""
     if message.role not in CHAT_ROLES:
         raise ValidationError(f"unknown chat role {message.role!r}; expected one of {sorted(CHAT_ROLES)}", "messages")
     content: Any = message.content
     if message.content_parts:
         content = [
-            {"type": "text", "text": part} if isinstance(part, str) else {"type": "image"}
+            {"type": "text", "text": part} if isinstance(part, str)
+            else {"type": "image"} if isinstance(part, ChatImage) else {"type": "audio"}
             for part in message.content_parts
-        ]
+        ]  # fmt: skip
     elif parts:
         content = [{"type": "text", "text": message.content}] if message.content else []
     out: dict[str, Any] = {"role": message.role, "content": content}

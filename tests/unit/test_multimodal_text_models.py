@@ -84,6 +84,9 @@ WRAPPERS: dict[str, tuple[str, dict[str, Any]]] = {
     "glm4v_moe": ("Glm4vMoe", {"text_config": {**_GLM4_MOE, "rope_parameters": _GLM_HALF_MROPE},
                                "vision_config": _GLM_VISION}),
     "voxtral": ("Voxtral", {"text_config": {"model_type": "llama"}, "audio_config": _WHISPER}),
+    "qwen2_audio": ("Qwen2Audio", {"text_config": _QWEN2, "audio_config": {
+        "d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 64, "num_mel_bins": 16,
+        "max_source_positions": 8}}),
     "idefics2": ("Idefics2", {"text_config": {"model_type": "mistral", "head_dim": 16}, "vision_config": _SIGLIP,
                               "perceiver_config": {"hidden_size": 64, "resampler_n_latents": 4,
                                                    "resampler_depth": 1, "resampler_n_heads": 2,
