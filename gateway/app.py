@@ -2,7 +2,7 @@
 
 The lifespan opens the engine pool (channels + health polling), the files-and-batches service (database, blob
 directory, batch workers), the stored responses (on that database, with their background runner) and the
-usage flush, and closes them and the image fetcher's HTTP client; routers reach them through dependencies.
+usage flush, and closes them and the media fetcher's HTTP client; routers reach them through dependencies.
 Nothing lives at module level, so tests can build as many apps as they like.
 """
 

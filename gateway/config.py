@@ -17,6 +17,7 @@ DEFAULT_MIN_FREE_DISK_BYTES = 1024 * 1024**2  # below this free on the blob volu
 DNS_PREFIX = "dns:"  # an engine target whose every resolved address is one engine
 DEFAULT_IMAGE_FETCH_TIMEOUT_S = 10.0
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024  # OpenAI's limit for an image input
+DEFAULT_MAX_AUDIO_BYTES = 25 * 1024 * 1024  # OpenAI's limit for an audio file
 
 
 def default_data_dir() -> Path:
@@ -55,11 +56,11 @@ class GatewayConfig:
     responses older than `response_retention_s` (None: kept until deleted). Below `min_free_disk_bytes` free on
     the blob directory's file system (0: no floor), uploads and new batches are refused with 507 (gateway/disk.py).
 
-    Images in chat messages (gateway/media.py): an http(s) image URL is fetched within `image_fetch_timeout_s`
-    (redirects included), only from the hosts in `allowed_media_domains` (exact names, as vLLM's flag of that
-    name, trusted whatever they resolve to; empty: any host whose addresses are all public, so never loopback, a
-    private network or a metadata endpoint unless listed), and an image, fetched or a data: URL's, may hold at most
-    `max_image_bytes`.
+    Images and audio in chat messages (gateway/media.py): an http(s) image or audio URL is fetched within
+    `image_fetch_timeout_s` (redirects included), only from the hosts in `allowed_media_domains` (exact names, as
+    vLLM's flag of that name, trusted whatever they resolve to; empty: any host whose addresses are all public, so
+    never loopback, a private network or a metadata endpoint unless listed); an image, fetched or inline, may hold
+    at most `max_image_bytes`, an audio clip (fetched, a data: URL's or an input_audio part's) `max_audio_bytes`.
     """
 
     engines: tuple[str, ...]
@@ -97,6 +98,7 @@ class GatewayConfig:
     engine_auth_token: str | None = field(default=None, repr=False)
     image_fetch_timeout_s: float = DEFAULT_IMAGE_FETCH_TIMEOUT_S
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_audio_bytes: int = DEFAULT_MAX_AUDIO_BYTES
     allowed_media_domains: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -119,8 +121,8 @@ class GatewayConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0 (or None: no limit)")
-        if self.image_fetch_timeout_s <= 0 or self.max_image_bytes < 1:
-            raise ValueError("image_fetch_timeout_s and max_image_bytes must be positive")
+        if self.image_fetch_timeout_s <= 0 or self.max_image_bytes < 1 or self.max_audio_bytes < 1:
+            raise ValueError("image_fetch_timeout_s, max_image_bytes and max_audio_bytes must be positive")
 
 
 def parse_domains(value: str) -> tuple[str, ...]:

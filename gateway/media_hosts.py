@@ -1,4 +1,4 @@
-"""Whether the gateway may fetch an image from a host it was not told to trust: `public_address`.
+"""Whether the gateway may fetch an image or audio clip from a host it was not told to trust: `public_address`.
 
 A request names the URLs the gateway fetches, so without a check any caller could make the gateway reach what only
 it can reach — loopback, the private network, a cloud's metadata endpoint (169.254.169.254): server-side request
@@ -52,9 +52,9 @@ async def public_address(host: str, port: int, param: str, resolver: Resolver = 
         try:
             addresses = await resolver(host, port)
         except OSError as exc:  # socket.gaierror: no such name, or the resolver failed
-            raise invalid(f"the image URL's host {host} could not be resolved ({exc})", param) from None
+            raise invalid(f"the URL's host {host} could not be resolved ({exc})", param) from None
     if not addresses or not all(is_public(address) for address in addresses):
-        raise invalid(f"the image URL's host {host} resolves to a non-public address (loopback, private, "
-                      "link-local or reserved); images are fetched only from public addresses unless the server's "
+        raise invalid(f"the URL's host {host} resolves to a non-public address (loopback, private, link-local or "
+                      "reserved); images and audio are fetched only from public addresses unless the server's "
                       "operator allows the host with --allowed-media-domains", param)
     return addresses[0]

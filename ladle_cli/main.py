@@ -238,11 +238,13 @@ def _gateway_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--max-request-mib", 16.0, "largest accepted request body in MiB (then HTTP 413)", type=float)
     _add(parser, "--max-image-mib", 20.0, "largest image a chat message may carry in MiB, in a data: URL or fetched "
          "(then HTTP 400)", type=float)
-    _add(parser, "--image-fetch-timeout", 10.0, "seconds fetching an http(s) image URL of a chat message may take, "
-         "redirects included (then HTTP 400)", type=float)
-    _add(parser, "--allowed-media-domains", "", "host names image URLs may be fetched from, comma-separated (exact "
-         "names, checked on every redirect, trusted whatever they resolve to; default: any host whose addresses are "
-         "all public)")
+    _add(parser, "--max-audio-mib", 25.0, "largest audio clip a chat message may carry in MiB, as input_audio data, "
+         "in a data: URL or fetched (then HTTP 400)", type=float)
+    _add(parser, "--image-fetch-timeout", 10.0, "seconds fetching an http(s) image or audio URL of a chat message may "
+         "take, redirects included (then HTTP 400)", type=float)
+    _add(parser, "--allowed-media-domains", "", "host names image and audio URLs may be fetched from, comma-separated "
+         "(exact names, checked on every redirect, trusted whatever they resolve to; default: any host whose "
+         "addresses are all public)")
     _add(parser, "--data-dir", "", "where files' bytes (and the default SQLite database) live "
          "(default: $XDG_DATA_HOME/ladle or ~/.local/share/ladle)")
     _add(parser, "--database-url", "", "SQLAlchemy URL of the files-and-batches database, e.g. "
@@ -426,6 +428,7 @@ def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
         max_engine_message_bytes=int(args.max_engine_message_mib * 1024 * 1024),
         max_request_bytes=int(args.max_request_mib * 1024 * 1024),
         max_image_bytes=int(args.max_image_mib * 1024 * 1024),
+        max_audio_bytes=int(args.max_audio_mib * 1024 * 1024),
         image_fetch_timeout_s=args.image_fetch_timeout,
         allowed_media_domains=parse_domains(args.allowed_media_domains),
         data_dir=Path(args.data_dir) if args.data_dir else None,

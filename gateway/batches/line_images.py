@@ -1,10 +1,10 @@
-"""A batch's lines with their images fetched a few lines ahead of the runner: `LinesWithImages`.
+"""A batch's lines with their images and audio fetched a few lines ahead of the runner: `LinesWithImages`.
 
-A chat or responses line's image URLs (`lines.image_sources`) are fetched by the gateway's `MediaFetcher` while the
-lines before it are sent, up to `ahead` lines at once; the lines come out in their order, each carrying its images'
-bytes (`InputLine.images`) or, when they could not be had, the 400 that becomes its error line
-(`InputLine.image_error`, raised by `lines.engine_requests`). A line without images is passed on as soon as the
-lines before it are, and nothing is read ahead while the next line is ready.
+A chat or responses line's image URLs (and a chat line's audio: `lines.image_sources`) are fetched by the gateway's
+`MediaFetcher` while the lines before it are sent, up to `ahead` lines at once; the lines come out in their order,
+each carrying its files' bytes (`InputLine.images`) or, when they could not be had, the 400 that becomes its error
+line (`InputLine.image_error`, raised by `lines.engine_requests`). A line without images or audio is passed on as
+soon as the lines before it are, and nothing is read ahead while the next line is ready.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from gateway.batches import lines
 from gateway.batches.lines import InputLine
 from gateway.errors import APIError
 from gateway.media import MediaFetcher
-from gateway.translate.images import ImageSource
+from gateway.translate.images import MediaSource
 
 AHEAD = 8  # lines whose images are fetched at once: each line's images are fetched together
 
 
 class LinesWithImages:
-    """An async iterator over `source`'s lines, images fetched; `close` cancels the fetches still running."""
+    """An async iterator over `source`'s lines, images and audio fetched; `close` cancels the fetches still
+    running."""
 
     def __init__(self, source: AsyncIterator[InputLine], media: MediaFetcher, ahead: int = AHEAD) -> None:
         self._source = source
@@ -65,8 +66,8 @@ class LinesWithImages:
         ready.set_result(line)
         return ready
 
-    async def _fetched(self, line: InputLine, sources: list[ImageSource]) -> InputLine:
+    async def _fetched(self, line: InputLine, sources: list[MediaSource]) -> InputLine:
         try:
-            return replace(line, images=await self._media.images(sources))
+            return replace(line, images=await self._media.fetch(sources))
         except APIError as error:
             return replace(line, image_error=error)

@@ -6,8 +6,8 @@ a call about twice its `max_num_seqs` ahead, so more would only sit in buffers),
 given, at most its permits over every batch of the project that shares it. Each line's result is handed to
 `emit` as soon as all of its engine items have answered (generations, or Embed / Score requests for the pooling
 endpoints). Any item error that is not about load is that line's result: an error line with the HTTP status
-the route would have answered. A line's images are fetched before it is taken, a few lines ahead
-(`line_images`); images that cannot be had are that line's error line too (400, as the route answers).
+the route would have answered. A line's images and audio are fetched before it is taken, a few lines
+ahead (`line_images`); files that cannot be had are that line's error line too (400, as the route answers).
 
 Every send of a line is an attempt (`attempts.PendingLine`) with fresh item and request ids. An attempt fails
 without being a result when its call fails while it is in flight (the engine died, restarts or drains; the call
@@ -174,7 +174,7 @@ class LineRunner:
     flight of every runner that shares it (one per project). `failures` are the failed attempts earlier runs
     recorded, by custom_id; `on_failure` is told each line's count whenever it grows, to record it. After a call
     that failed, the next one waits `backoff_s`, doubled after each further failed call in a row up to
-    `max_backoff_s` (tests of many faults set them small). `media` fetches the lines' images a few lines ahead
+    `max_backoff_s` (tests of many faults set them small). `media` fetches the lines' images and audio a few lines ahead
     (`line_images`; None: a fetcher with the default limits, opened and closed by each run)."""
 
     def __init__(

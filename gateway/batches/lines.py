@@ -11,8 +11,9 @@ refused. The body is checked with the route's own pydantic schema and
 `translate.to_engine` or `translate.pooling_to_engine`, so a line that validates here is a request the synchronous
 route would also accept. A generation line's `model` may name a LoRA adapter the engines serve (`line_adapter`):
 its requests carry it, and its response names it; a pooling line naming one is refused, as the routes refuse it.
-A chat or responses line's images (`image_sources`) are checked here (a data: URL decoded, an http(s) URL's form)
-and fetched only when the line runs (`line_images`): a fetch that fails is that line's error line.
+A chat or responses line's images (and a chat line's audio clips: `image_sources`) are checked here (a data: URL
+or input_audio data decoded, an http(s) URL's form) and fetched only when the line runs (`line_images`): a fetch
+that fails is that line's error line.
 Validation never raises for a line's content: whatever is wrong with a line (JSON nested too deep for the parser,
 a lone UTF-16 surrogate that no UTF-8 file or protobuf can carry, a value the engine request cannot hold) becomes
 that line's `LineError`, and a line that validates can be sent to the engine and written to the result files.
@@ -43,7 +44,7 @@ from gateway.translate import (
     responses_to_engine,
     to_engine,
 )
-from gateway.translate.images import ImageSource, chat_image_sources, unfetched
+from gateway.translate.images import MediaSource, chat_media_sources, unfetched
 from ladle.v1 import engine_pb2, types_pb2
 
 if TYPE_CHECKING:  # not at run time: the validation child imports this module, and calls imports the pool
@@ -70,7 +71,7 @@ log = structlog.get_logger(__name__)
 @dataclass(frozen=True)
 class InputLine:
     """One request of a batch: `index` counts the file's non-blank lines from 0. `images` holds the bytes of its
-    image URLs once fetched (`line_images`), or `image_error` why they could not be."""
+    image and audio URLs once fetched (`line_images`), or `image_error` why they could not be."""
 
     index: int
     custom_id: str
@@ -250,11 +251,12 @@ def line_adapter(line: InputLine, model: str) -> str:
     return ""
 
 
-def image_sources(line: InputLine) -> list[ImageSource]:
-    """The images a chat or responses line holds (none for the other endpoints), named as the route names them."""
+def image_sources(line: InputLine) -> list[MediaSource]:
+    """The images a chat or responses line holds, and a chat line's audio clips (none for the other endpoints),
+    named as the route names them."""
     body = line.body
     if isinstance(body, ChatCompletionRequest):
-        return chat_image_sources(body.messages)
+        return chat_media_sources(body.messages)
     if isinstance(body, ResponsesRequest) and not isinstance(body.input, str):
         return responses_to_engine.image_sources([], responses_to_engine.input_items(body), "input")
     return []

@@ -41,7 +41,7 @@ class BatchService:
                  tracer: trace.Tracer | None = None, media: MediaFetcher | None = None) -> None:
         self.config = config
         self.tracer = tracer
-        self.media = media  # fetches the images of the lines' chat messages (None: each run opens its own)
+        self.media = media  # fetches the images and audio of the lines' messages (None: each run opens its own)
         self.pool = pool
         self.metrics = metrics
         self.data_dir = config.data_dir or default_data_dir()

@@ -113,7 +113,7 @@ class BatchWorker:
         self.project_window = project_window
         self.claim_turn = claim_turn or asyncio.Lock()
         self.tracer = tracer  # a span per claim run, parent of its Batch calls' engine spans
-        self.media = media  # fetches the lines' images (None: each run opens its own, with the default limits)
+        self.media = media  # fetches the lines' images and audio (None: each run opens its own, default limits)
         self.name = f"{os.uname().nodename}:{os.getpid()}:{secrets.token_hex(4)}"
         self.runner: LineRunner | None = None  # while lines run, for /metrics
 

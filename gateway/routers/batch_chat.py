@@ -32,7 +32,7 @@ from gateway.rate_limits import times
 from gateway.schemas.chat import BatchChatCompletionRequest
 from gateway.translate import from_engine, to_engine
 from gateway.translate.cache_salt import project_cache_salt
-from gateway.translate.images import chat_image_sources
+from gateway.translate.images import chat_media_sources
 from ladle.v1 import types_pb2
 
 ROUTE = "/v1/chat/completions/batch"
@@ -66,8 +66,8 @@ async def create_batch_chat_completion(
         if not conversation:
             raise invalid(f"conversation {i} has no messages", f"messages[{i}]")
     salt = project_cache_salt(project)
-    images = await media.images([source for i, conv in enumerate(body.messages)
-                                 for source in chat_image_sources(conv, f"messages[{i}]")])
+    images = await media.fetch([source for i, conv in enumerate(body.messages)
+                                for source in chat_media_sources(conv, f"messages[{i}]")])
     requests = [
         to_engine.chat_request(body, conv, f"{rid}-{i}", cache_salt=salt, adapter=served.adapter, images=images)
         for i, conv in enumerate(body.messages)

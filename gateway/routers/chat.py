@@ -26,7 +26,7 @@ from gateway.schemas.chat import ChatCompletionRequest
 from gateway.streaming import StreamHeader, chat_chunks
 from gateway.translate import from_engine, to_engine
 from gateway.translate.cache_salt import project_cache_salt
-from gateway.translate.images import chat_image_sources
+from gateway.translate.images import chat_media_sources
 
 ROUTE = "/v1/chat/completions"
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -45,7 +45,7 @@ async def create_chat_completion(
     served = served_model(pool, body.model)
     model = served.id
     admission = await admit(http, project, times(body.completion_cap(), body.n))
-    images = await media.images(chat_image_sources(body.messages))
+    images = await media.fetch(chat_media_sources(body.messages))
     request = to_engine.chat_request(body, body.messages, rid, cache_salt=project_cache_salt(project),
                                      adapter=served.adapter, images=images)
     timer = RequestTimer(metrics, ROUTE, project, model, admission)

@@ -105,7 +105,7 @@ async def _engine_request(
     conversation = responses_to_engine.conversation_id(body)
     history = await responses.history(body.previous_response_id, conversation, project)
     history_param = "conversation" if conversation is not None else "previous_response_id"
-    images = await media.images(responses_to_engine.image_sources(history, items, history_param))
+    images = await media.fetch(responses_to_engine.image_sources(history, items, history_param))
     request = responses_to_engine.generate_request(body, history + items, rid, cache_salt=project_cache_salt(project),
                                                    adapter=served.adapter, images=images)
     if body.truncation == "auto":

@@ -16,7 +16,7 @@ from gateway.errors import invalid, invalid_body
 from gateway.schemas.chat import ChatCompletionRequest
 from gateway.schemas.tokenize import DetokenizeRequest, TokenizeRequest
 from gateway.translate import to_engine
-from gateway.translate.images import chat_image_sources
+from gateway.translate.images import chat_media_sources
 from ladle.v1 import engine_pb2, types_pb2
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -39,7 +39,7 @@ async def tokenize(body: TokenizeRequest, pool: Pool, rid: CallId, media: Media)
             })
         except pydantic.ValidationError as exc:
             raise invalid_body(exc) from None
-        images = await media.images(chat_image_sources(chat.messages))
+        images = await media.fetch(chat_media_sources(chat.messages))
         request.input.CopyFrom(to_engine.chat_request(chat, chat.messages, rid, images=images).input)
     else:
         request.input.CopyFrom(types_pb2.Input(text=body.prompt or ""))

@@ -21,22 +21,46 @@ class ImageURL(BaseModel):
     detail: str | None = None  # OpenAI's "auto", "low", "high": taken and ignored (the model's processor decides)
 
 
+class InputAudio(BaseModel):
+    """An `input_audio` part's clip (OpenAI's form): the file's bytes in base64 and its format. Both are checked
+    when the message is translated (`translate.images.input_audio_source`: present, base64, a format of
+    AUDIO_FORMATS), so a 400 names the exact field (pydantic's would name the union `content` is)."""
+
+    model_config = IGNORE_EXTRA
+    data: str | None = None
+    format: str | None = None
+
+
+class AudioURL(BaseModel):
+    """An `audio_url` part's clip (vLLM's form): a data: URL (`data:audio/wav;base64,...`) or an http(s) URL the
+    gateway fetches."""
+
+    model_config = IGNORE_EXTRA
+    url: str
+
+
 class ContentPart(BaseModel):
-    """One part of a multi-part message: text, or an image (`image_url`: {"url", "detail"}, or the URL alone as a
-    string, vLLM's simple form, with or without `"type": "image_url"`). Other types are refused when the message
-    is translated, naming the part."""
+    """One part of a multi-part message: text; an image (`image_url`: {"url", "detail"}, or the URL alone as a
+    string, vLLM's simple form, with or without `"type": "image_url"`); or an audio clip (OpenAI's `input_audio`:
+    {"data": base64, "format"}, or vLLM's `audio_url`: {"url"} or the URL alone, with or without
+    `"type": "audio_url"`). Other types are refused when the message is translated, naming the part."""
 
     model_config = IGNORE_EXTRA
     type: str
     text: str | None = None
     image_url: ImageURL | str | None = None
+    input_audio: InputAudio | None = None
+    audio_url: AudioURL | str | None = None
 
     @model_validator(mode="before")
     @classmethod
-    def _typeless_image(cls, value: Any) -> Any:
-        """vLLM's `{"image_url": "..."}`: a part with an image and no type is an image_url part."""
-        if isinstance(value, dict) and "type" not in value and "image_url" in value:
-            return {**value, "type": "image_url"}
+    def _typeless_media(cls, value: Any) -> Any:
+        """vLLM's `{"image_url": "..."}` and `{"audio_url": "..."}`: a part with an image (or a clip's URL) and no
+        type is an image_url (audio_url) part."""
+        if isinstance(value, dict) and "type" not in value:
+            for kind in ("image_url", "audio_url"):
+                if kind in value:
+                    return {**value, "type": kind}
         return value
 
     def image_source(self) -> tuple[str, str] | None:
@@ -46,6 +70,15 @@ class ContentPart(BaseModel):
             return self.image_url.url, "image_url.url"
         if isinstance(self.image_url, str):
             return self.image_url, "image_url"
+        return None
+
+    def audio_url_source(self) -> tuple[str, str] | None:
+        """(the clip's URL, its field below the part: "audio_url.url" or "audio_url") of an audio_url part that has
+        one; None otherwise."""
+        if isinstance(self.audio_url, AudioURL):
+            return self.audio_url.url, "audio_url.url"
+        if isinstance(self.audio_url, str):
+            return self.audio_url, "audio_url"
         return None
 
 

@@ -35,6 +35,7 @@ INCLUDES = frozenset({
 })
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
 _IMAGE_PART = "input_image"
+_AUDIO_PARTS = frozenset({"input_audio", "audio_url"})  # chat's audio parts: refused by name here
 _ID_PREFIXES = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
 _ROLES = frozenset({"user", "system", "developer", "assistant"})
 MAX_ITEM_ID = 128  # characters of an item id a client chooses (the stored column's width)
@@ -85,6 +86,9 @@ def _check_item(item: dict[str, Any], where: str) -> None:
         for j, part in enumerate(content):
             if isinstance(part, dict) and part.get("type") == _IMAGE_PART:
                 _image_url(part, f"{where}.content[{j}]")
+            elif isinstance(part, dict) and part.get("type") in _AUDIO_PARTS:
+                raise invalid(f"{where}.content[{j}]: audio is not read on the Responses API; send it to "
+                              "/v1/chat/completions as an input_audio or audio_url part", f"{where}.content[{j}].type")
             else:
                 _text_of_part(part, f"{where}.content[{j}]", "text and input_image")
     elif kind == "function_call":

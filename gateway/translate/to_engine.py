@@ -5,10 +5,11 @@ Fields left unset in the OpenAI body stay unset in the proto, so the engine appl
 model's, see engine_server.generation_defaults); completions' max_tokens keeps OpenAI's documented default, 16.
 The pooling bodies (embeddings, score, rerank) are `pooling_to_engine`'s; it shares this module's input helpers.
 
-A message whose parts hold an image is sent as ordered `content_parts` (text and images); one of text parts alone
-is joined into `content`, as before images were taken. An image's bytes come from `images` (`translate.images`),
-which the route fills before translating: every image URL of the request, data: URLs decoded and http(s) URLs
-fetched (`gateway.media`).
+A message whose parts hold an image or an audio clip is sent as ordered `content_parts` (text, images and
+clips); one of text parts alone is joined into `content`, as before images were taken. A file's bytes come from
+`images` (`translate.images`), which the route fills before translating: every image and audio URL of the request
+(an `input_audio` part's data standing as a data: URL), data: URLs decoded and http(s) URLs fetched
+(`gateway.media`).
 """
 
 from __future__ import annotations
@@ -30,10 +31,16 @@ from gateway.schemas.chat import (
 from gateway.schemas.common import UINT32_MAX, SamplingFields
 from gateway.schemas.completions import MAX_PROMPTS, CompletionRequest
 from gateway.translate.cache_salt import request_cache_salt
-from gateway.translate.images import NO_IMAGES, ImageBytes
+from gateway.translate.images import MEDIA_PARTS, NO_IMAGES, ImageBytes, part_source
 from ladle.v1 import engine_pb2, types_pb2
 
 ENGINE_SEEDS = 2**63  # the engine takes seeds in [0, 2**63) (engine_server.sampling_params.SEED_LIMIT)
+_NEEDS = {  # what a media part without its file lacks
+    "image_url": 'an image_url part needs its image: {"image_url": {"url": "data:..." or "https://..."}}',
+    "input_audio": 'an input_audio part needs its clip: {"input_audio": {"data": "<base64>", "format": "wav"}}',
+    "audio_url": 'an audio_url part needs its clip: {"audio_url": {"url": "data:audio/...;base64,..." or '
+                 '"https://..."}}',
+}
 _TOOL_MODES = {
     "none": types_pb2.TOOL_CHOICE_MODE_NONE,
     "auto": types_pb2.TOOL_CHOICE_MODE_AUTO,
@@ -130,7 +137,7 @@ def _schema_text(value: dict[str, Any] | str) -> str:
 
 def chat_input(body: ChatFields, messages: list[ChatMessage], images: ImageBytes = NO_IMAGES) -> types_pb2.Input:
     """A conversation with its tools and template options as the engine's chat input; `images` holds the bytes of
-    its image URLs."""
+    its image and audio URLs."""
     chat = types_pb2.ChatInput(
         messages=[chat_message(m, i, images) for i, m in enumerate(messages)],
         tools=[_tool(t) for t in body.tools or []],
@@ -173,14 +180,14 @@ def template_kwargs(kwargs: dict[str, Any], chat: types_pb2.ChatInput) -> None:
 
 def chat_message(message: ChatMessage, index: int, images: ImageBytes = NO_IMAGES) -> types_pb2.ChatMessage:
     """One message of a conversation (the `index`-th, for the 400's field name); developer is a system message.
-    Its image parts take their bytes from `images` (an image missing there is a 400: a route that reads no
-    images passes none)."""
+    Its image and audio parts take their bytes from `images` (a file missing there is a 400: a route that reads
+    no images or audio passes none)."""
     out = types_pb2.ChatMessage(
         role="system" if message.role == "developer" else message.role,
         name=message.name or "",
         tool_call_id=message.tool_call_id or "",
     )
-    if isinstance(message.content, list) and any(part.type == "image_url" for part in message.content):
+    if isinstance(message.content, list) and any(part.type in MEDIA_PARTS for part in message.content):
         out.content_parts.extend(_content_parts(message.content, f"messages[{index}].content", images))
     else:
         out.content = _text(message, index)
@@ -201,28 +208,30 @@ def _text(message: ChatMessage, index: int) -> str:
 
 
 def _content_parts(parts: list[ContentPart], where: str, images: ImageBytes) -> Iterator[types_pb2.ContentPart]:
-    """Text and image parts in their order (adjacent text parts stay apart: the template joins them)."""
+    """Text, image and audio parts in their order (adjacent text parts stay apart: the template joins them)."""
     for j, part in enumerate(parts):
         if part.type == "text" and part.text is not None:
             yield types_pb2.ContentPart(text=part.text)
             continue
-        if part.type != "image_url":
+        if part.type not in MEDIA_PARTS:
             raise _unsupported_part(part, f"{where}[{j}]")
-        found = part.image_source()
-        if found is None:
-            raise invalid("an image_url part needs its image: {\"image_url\": {\"url\": \"data:...\" or "
-                          "\"https://...\"}}", f"{where}[{j}].image_url")
-        data = images.get(found[0])
+        source = part_source(part, f"{where}[{j}]")
+        if source is None:
+            raise invalid(_NEEDS[part.type], f"{where}[{j}].{part.type}")
+        data = images.get(source.url)
         if data is None:
-            raise invalid("image parts are not read on this route", f"{where}[{j}].type")
-        yield types_pb2.ContentPart(image=types_pb2.Image(data=data))
+            raise invalid(f"{source.kind} parts are not read on this route", f"{where}[{j}].type")
+        if source.kind == "audio":
+            yield types_pb2.ContentPart(audio=types_pb2.Audio(data=data))
+        else:
+            yield types_pb2.ContentPart(image=types_pb2.Image(data=data))
 
 
 def _unsupported_part(part: ContentPart, where: str) -> APIError:
     if part.type == "text":
         return invalid("a text part needs its text", f"{where}.text")
-    return invalid(f"content part type {part.type!r} is not supported; ladle reads text and image_url parts",
-                   f"{where}.type")
+    return invalid(f"content part type {part.type!r} is not supported; ladle reads text, image_url, input_audio "
+                   "and audio_url parts", f"{where}.type")
 
 
 def _tool(tool: ToolDefinition) -> types_pb2.Tool:
@@ -254,7 +263,7 @@ def chat_request(
     """One engine request for one conversation of a chat body. `cache_salt` is the caller's project's
     (`cache_salt.project_cache_salt`); the request carries it combined with the body's own `cache_salt`.
     `adapter`: the LoRA adapter the body's `model` names ("" for the base model). `images`: the bytes of every
-    image URL in `messages` (`gateway.media.MediaFetcher.images`)."""
+    image and audio URL in `messages` (`gateway.media.MediaFetcher.fetch`)."""
     with unicode_text():
         return _chat_request(body, messages, request_id, cache_salt, adapter, images)
 

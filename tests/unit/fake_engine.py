@@ -2,13 +2,15 @@
 
 It answers health (SERVING), GetModelInfo and GetLoad like an engine, and Generate, Stream and Batch by echoing:
 the reply's text is the request's last chat message (or prompt) upper-cased (a stream sends it in two chunks).
+Tokenize answers one token id per character of text, per image and per audio clip (`_tokens`).
 Embed answers each input with `fake_vector` (DIMENSIONS values from a hash of the input, truncated to `dimensions`,
 normalized unless `normalize` is false; one token per character or id) and Score with the cosine similarity of the
 query's and each document's vector; Batch answers `embed` and `score` items likewise.
-A chat turn's `content_parts` echo as their text with each image as `<image N>` (N its bytes); the engine's
-rules for them hold (INVALID_ARGUMENT naming `messages[i].content...`: `content` and `content_parts` both set, a part
-with neither text nor an image, an image when `reads_images` is false, as a text model refuses it), and every
-image received is kept in `images`.
+A chat turn's `content_parts` echo as their text with each image as `<image N>` and each audio clip as `<audio N>`
+(N its bytes); the engine's rules for them hold (INVALID_ARGUMENT naming `messages[i].content...`: `content` and
+`content_parts` both set, a part with neither text, an image nor audio, an image when `reads_images` is false, a clip
+when `reads_audio` is false, as a model without that tower refuses it), and every image received is kept in
+`images`, every clip in `audio`.
 It keeps the real engine's rules for a Batch call: an item id must be non-empty and unique within the call
 (else the item fails INVALID_ARGUMENT, as engine_server.server.servicer answers), and the call reads at most
 2 x `max_num_seqs` items ahead of its answers (the engine's intake window; the caller's further items wait).
@@ -70,6 +72,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     generated: int = 0  # Generate and Stream calls answered
     reads_images: bool = True  # False: a turn with an image is refused, as a text model's engine refuses it
     images: list[bytes] = field(default_factory=list)  # every image of a chat turn received, in order
+    reads_audio: bool = True  # False: a turn with an audio clip is refused, as a model that hears none refuses it
+    audio: list[bytes] = field(default_factory=list)  # every audio clip of a chat turn received, in order
     _kills: set[asyncio.Event] = field(default_factory=set)  # one per Batch call running
 
     def kill_calls(self) -> None:
@@ -79,7 +83,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
 
     def _chat_refusal(self, value: types_pb2.Input) -> tuple[str, str] | None:
         """(message, param) of the engine's INVALID_ARGUMENT for a chat input's turns; None if they are fine (their
-        images are then kept in `images`)."""
+        images are then kept in `images`, their clips in `audio`)."""
         if value.WhichOneof("kind") != "chat":
             return None
         for i, message in enumerate(value.chat.messages):
@@ -88,10 +92,13 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             for j, part in enumerate(message.content_parts):
                 kind = part.WhichOneof("part")
                 if kind is None:
-                    return "a content part must hold text or an image", f"messages[{i}].content[{j}]"
+                    return "a content part must hold text, an image or audio", f"messages[{i}].content[{j}]"
                 if kind == "image" and not self.reads_images:
                     return "this model reads text only; it takes no images", f"messages[{i}].content[{j}]"
+                if kind == "audio" and not self.reads_audio:
+                    return "this model hears no audio; it takes no audio clips", f"messages[{i}].content[{j}]"
         self.images += [p.image.data for m in value.chat.messages for p in m.content_parts if p.HasField("image")]
+        self.audio += [p.audio.data for m in value.chat.messages for p in m.content_parts if p.HasField("audio")]
         return None
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context: Any) -> engine_pb2.GenerateResponse:
@@ -124,6 +131,14 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         yield engine_pb2.StreamResponse(request_id=request.request_id, choices=[
             types_pb2.ChoiceDelta(index=0, text=text[half:], token_ids=[2], finish_reason=finish)],
             usage=last, usage_so_far=last)
+
+    async def Tokenize(self, request: engine_pb2.TokenizeRequest, context: Any) -> engine_pb2.TokenizeResponse:
+        """Token ids 0..n-1 for the input's fake token count (`_tokens`), the last turn's echo as its prompt text;
+        a chat input's turns under the engine's rules, as Generate keeps them."""
+        if (refused := self._chat_refusal(request.input)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused[0], (("ladle-param", refused[1]),))
+        return engine_pb2.TokenizeResponse(token_ids=range(_tokens(request.input)),
+                                           prompt_text=_input_text(request.input))
 
     async def GetModelInfo(self, request: Any, context: Any) -> engine_pb2.GetModelInfoResponse:
         return engine_pb2.GetModelInfoResponse(
@@ -293,16 +308,23 @@ def _result(request: engine_pb2.GenerateRequest, text: str) -> engine_pb2.Genera
 def _input_text(value: types_pb2.Input) -> str:
     if value.WhichOneof("kind") == "chat":
         last = value.chat.messages[-1]
-        return "".join(p.text if p.WhichOneof("part") == "text" else f"<image {len(p.image.data)}>"
-                       for p in last.content_parts) or last.content
+        return "".join(_part_text(p) for p in last.content_parts) or last.content
     return value.text
 
 
+def _part_text(part: types_pb2.ContentPart) -> str:
+    kind = part.WhichOneof("part")
+    if kind == "image":
+        return f"<image {len(part.image.data)}>"
+    return f"<audio {len(part.audio.data)}>" if kind == "audio" else part.text
+
+
 def _tokens(value: types_pb2.Input) -> int:
-    """The fake engine's token count: one per character of text (of every message), per image or per id."""
+    """The fake engine's token count: one per character of text (of every message), per image, per audio clip or
+    per id."""
     kind = value.WhichOneof("kind")
     if kind == "chat":
-        return sum(len(m.content) + sum(1 if p.HasField("image") else len(p.text) for p in m.content_parts)
+        return sum(len(m.content) + sum(len(p.text) if p.HasField("text") else 1 for p in m.content_parts)
                    for m in value.chat.messages)
     return len(value.token_ids.ids) if kind == "token_ids" else len(value.text)
 

@@ -34,7 +34,7 @@ from gateway.media_hosts import is_public
 from gateway.schemas.chat import BatchChatCompletionRequest, ChatCompletionRequest
 from gateway.schemas.pooling import EmbeddingRequest
 from gateway.translate import pooling_to_engine, responses_to_engine, to_engine
-from gateway.translate.images import ImageSource, chat_image_sources, unfetched
+from gateway.translate.images import ImageSource, chat_media_sources, unfetched
 from ladle_cli.main import _gateway_config, build_parser
 from tests.unit.fake_engine import MODEL, FakeEngine, gateway_client, start_fake_engine
 
@@ -68,7 +68,7 @@ def chat_body(*content: Any, **fields: Any) -> ChatCompletionRequest:
 
 def translated(body: ChatCompletionRequest) -> Any:
     """The engine's chat input of `body`, its images decoded as the routes do for data: URLs."""
-    images = unfetched(chat_image_sources(body.messages))
+    images = unfetched(chat_media_sources(body.messages))
     return to_engine.chat_request(body, body.messages, "r", images=images).input.chat
 
 
@@ -106,7 +106,7 @@ def test_text_only_messages_are_sent_as_before() -> None:
 
 def test_the_url_may_be_a_bare_string_with_or_without_a_type() -> None:
     body = chat_body({"type": "image_url", "image_url": data_url(RED)}, {"image_url": data_url(BLUE)})
-    assert [s.param for s in chat_image_sources(body.messages)] == [
+    assert [s.param for s in chat_media_sources(body.messages)] == [
         "messages[0].content[0].image_url", "messages[0].content[1].image_url"]
     assert [p.image.data for p in translated(body).messages[0].content_parts] == [RED, BLUE]
 
@@ -134,15 +134,15 @@ def test_a_malformed_image_url_is_a_400_naming_it(url: str, says: str) -> None:
 def test_a_data_url_larger_than_the_cap_is_refused_before_and_after_decoding() -> None:
     source = ImageSource(data_url(b"x" * 100), "messages[0].content[0].image_url.url")
     media = MediaFetcher(max_bytes=99)
-    error = refusal(lambda: asyncio.run(media.images([source])))
+    error = refusal(lambda: asyncio.run(media.fetch([source])))
     assert error.param == source.param and "larger than this server takes (99 bytes)" in error.message
-    assert asyncio.run(MediaFetcher(max_bytes=100).images([source])) == {source.url: b"x" * 100}
+    assert asyncio.run(MediaFetcher(max_bytes=100).fetch([source])) == {source.url: b"x" * 100}
     far = ImageSource(data_url(b"x" * 10_000), source.param)  # the payload's length alone refuses it
-    assert "larger" in refusal(lambda: asyncio.run(media.images([far]))).message
+    assert "larger" in refusal(lambda: asyncio.run(media.fetch([far]))).message
 
 
 @pytest.mark.parametrize(("part", "param"), [
-    ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "messages[0].content[1].type"),
+    ({"type": "file", "file": {"file_id": "file-1"}}, "messages[0].content[1].type"),  # audio: test_gateway_audio
     ({"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}, "messages[0].content[1].type"),
     ({"type": "image_url"}, "messages[0].content[1].image_url"),
     ({"type": "text"}, "messages[0].content[1].text"),
@@ -239,7 +239,7 @@ def at(server: ImageServer, path: str, host: str = "127.0.0.1") -> str:
 async def fetch(url: str, allowed_domains: Sequence[str] = LOOPBACK, **settings: Any) -> bytes:
     media = MediaFetcher(allowed_domains=allowed_domains, **settings)
     try:
-        found = await media.images([ImageSource(url, "messages[0].content[0].image_url.url")])
+        found = await media.fetch([ImageSource(url, "messages[0].content[0].image_url.url")])
     finally:
         await media.aclose()
     return found[url]
@@ -265,7 +265,7 @@ async def test_a_requests_images_are_fetched_at_once_and_each_url_once(server: I
     before = server.hits["/slow.png"]
     started = time.monotonic()
     try:
-        found = await media.images(sources)
+        found = await media.fetch(sources)
     finally:
         await media.aclose()
     assert time.monotonic() - started < 1.0  # three 0.4 s fetches side by side, not one after another
@@ -277,9 +277,9 @@ async def test_a_request_holds_a_bounded_number_of_images() -> None:
     from gateway.media import MAX_IMAGES
 
     sources = [ImageSource(data_url(bytes([i % 256, i // 256])), f"p{i}") for i in range(MAX_IMAGES + 1)]
-    assert len(await MediaFetcher().images(sources[:MAX_IMAGES])) == MAX_IMAGES
+    assert len(await MediaFetcher().fetch(sources[:MAX_IMAGES])) == MAX_IMAGES
     with pytest.raises(APIError) as raised:
-        await MediaFetcher().images(sources)
+        await MediaFetcher().fetch(sources)
     assert raised.value.param == f"p{MAX_IMAGES}" and f"at most {MAX_IMAGES} distinct images" in raised.value.message
 
 
