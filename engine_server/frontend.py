@@ -249,9 +249,9 @@ class InputProcessor:
             return PreparedPrompt(self.tokenize(prompt), params)
         images = self._chat_images(prompt)
         text = _unicode(self.render(prompt), "messages")
-        if images:  # (Gemma 3's processor lays its images out in the text: `ImageProcessing.expand_text`)
+        if images:  # (Gemma 3's and Idefics 2's processors lay images out in the text: `ImageProcessing.prompt_ids`)
             assert self.images is not None
-            ids = self._chat_ids(self.images.expand_text(text))
+            ids = self.images.prompt_ids(text, self._chat_ids)
         else:
             ids = self._chat_ids(text)
         multimodal = None
@@ -329,7 +329,7 @@ class InputProcessor:
             if not images:
                 return self._chat_ids(text)
             assert self.images is not None
-            return self.images.prepare(self._chat_ids(self.images.expand_text(text)), images)[0]
+            return self.images.prepare(self.images.prompt_ids(text, self._chat_ids), images)[0]
         if isinstance(prompt, str):
             if not prompt:
                 raise ValidationError("prompt must not be empty", "prompt")
