@@ -35,14 +35,16 @@ class ImageInput:
     its tiles); "llava_next", the same over its
     image's tiles (any resolution: its processor's grid), unpadded, a newline after each row; "mistral3", Pixtral's
     through Mistral 3's patch merger; "internvl", InternViT's pixel-shuffled through InternVL's projector, a tile at a
-    time; "idefics3" or "smolvlm", SigLIP's through the pixel-shuffle connector, a tile at a time; "qwen2_vl",
-    "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe" and the GLM-4.xV kinds, their towers over a processed image's patches,
-    merged `merge_size` x `merge_size`), and the placeholder token its chat template writes once per image
-    (`image_token_id`), expanded to the image's tokens: LLaVA's one per patch of `patch_size` squares plus
-    `extra_tokens` (the tower's class token, unless the projector drops it: -1 to 1; InternVL's `extra_tokens` a
-    tile), the Qwen-VL towers' one per merged patch. With `mrope_section` (the Qwen-VL text models' M-RoPE: rotated
-    pairs turned by the temporal, height and width position) an image's tokens take 3-D positions and the text after
-    them goes on from the largest (`multimodal.inputs.MultimodalInputs.positions`)."""
+    time; "idefics3" or "smolvlm", SigLIP's through the pixel-shuffle connector, a tile at a time; "idefics2", its
+    SigLIP-like tower's over the patches each tile's pixel mask covers whole, through its connector's perceiver
+    resampler, `extra_tokens` latents a tile; "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe" and the GLM-4.xV
+    kinds, their towers over a processed image's patches, merged `merge_size` x `merge_size`), and the placeholder
+    token its chat template writes once per image (`image_token_id`), expanded to the image's tokens: LLaVA's one per
+    patch of `patch_size` squares plus `extra_tokens` (the tower's class token, unless the projector drops it: -1 to
+    1; InternVL's and Idefics 2's `extra_tokens` a tile), the Qwen-VL towers' one per merged patch. With
+    `mrope_section` (the Qwen-VL text models' M-RoPE: rotated pairs turned by the temporal, height and width position)
+    an image's tokens take 3-D positions and the text after them goes on from the largest
+    (`multimodal.inputs.MultimodalInputs.positions`)."""
 
     encoder: str
     image_token_id: int

@@ -284,9 +284,9 @@ class InputProcessor:
         clips give the encoder (None: none), and its rendered text. ValidationError (`_chat_media`)."""
         images, clips = self._chat_media(prompt)
         text = _unicode(self.render(prompt), "messages")
-        if images:  # (Gemma 3's processor lays its images out in the text: `ImageProcessing.expand_text`)
+        if images:  # (Gemma 3's and Idefics 2's processors lay images out in the text: `ImageProcessing.prompt_ids`)
             assert self.images is not None  # (`_chat_media` refuses them otherwise)
-            ids, multimodal = self.images.prepare(self._chat_ids(self.images.expand_text(text)), images)
+            ids, multimodal = self.images.prepare(self.images.prompt_ids(text, self._chat_ids), images)
             return ids, multimodal, text
         if clips:
             assert self.audio is not None

@@ -10,8 +10,8 @@ differs from the class's defaults, and early ones are flat, the text model's key
 model's config (`text_config`) is read as the family's own, under the embedding tie of the composite model (the one
 transformers ties the LM head by). The towers and projectors beside the text model are read only where images are
 served (`engine_server.multimodal`, `MultimodalCheckpoint.images`: LLaVA, LLaVA-NeXT, ViP-LLaVA, Aya Vision, Gemma 3,
-Mistral 3, InternVL, Idefics 3, SmolVLM, the Qwen-VL and GLM-4.xV kinds); the other kinds serve text prompts, and a
-turn with an image is refused by name.
+Mistral 3, InternVL, Idefics 2, Idefics 3, SmolVLM, the Qwen-VL and GLM-4.xV kinds; `MultimodalCheckpoint.audio`:
+Qwen2-Audio); the other kinds serve text prompts, and a turn with an image or an audio clip is refused by name.
 
 A text prompt takes the text model alone in each of these: the M-RoPE of the Qwen-VL and GLM-V families turns a text
 token's three position components, all its one position, as plain rope does; Llama 3.2 Vision skips its
@@ -103,9 +103,10 @@ def multimodal_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], Multimo
 def _image_input(composite: Any) -> ImageInput | None:
     """How a checkpoint whose images are served reads them: LLaVA's, LLaVA-NeXT's, ViP-LLaVA's and Aya Vision's over a
     CLIP or SigLIP tower, whose class token (CLIP's) the "default" feature strategy drops (ViP-LLaVA's always);
-    Gemma 3's; Mistral 3's over Pixtral; InternVL's, Idefics 3's and SmolVLM's tiles; the Qwen-VL kinds' (Qwen2-VL,
-    Qwen2.5-VL, Qwen3-VL and its MoE; GLM-4.1V, 4.5V and 4.6V), their text model's M-RoPE sections (Qwen3-VL's
-    interleaved) and Qwen3-VL's DeepStack layers. None for every other kind (text prompts alone)."""
+    Gemma 3's; Mistral 3's over Pixtral; InternVL's, Idefics 3's and SmolVLM's tiles; Idefics 2's (its perceiver's
+    `resampler_n_latents` tokens a tile); the Qwen-VL kinds' (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE; GLM-4.1V,
+    4.5V and 4.6V), their text model's M-RoPE sections (Qwen3-VL's interleaved) and Qwen3-VL's DeepStack layers. None
+    for every other kind (text prompts alone)."""
     if composite.model_type in _QWEN_VL:
         vision = composite.vision_config
         rope = composite.get_text_config(decoder=True).rope_parameters or {}
@@ -137,6 +138,9 @@ def _image_input(composite: Any) -> ImageInput | None:
         per_tile = (int(vision.image_size) // int(vision.patch_size)) ** 2 // int(composite.scale_factor) ** 2
         return ImageInput(composite.model_type, int(composite.image_token_id), int(vision.patch_size),
                           extra_tokens=per_tile, split_rows=True)  # fmt: skip
+    if composite.model_type == "idefics2":
+        return ImageInput("idefics2", int(composite.image_token_id), int(composite.vision_config.patch_size),
+                          extra_tokens=int(composite.perceiver_config.resampler_n_latents))  # fmt: skip
     if composite.model_type == "aya_vision" and composite.vision_config.model_type == "siglip_vision_model":
         return ImageInput("aya_vision", int(composite.image_token_id), int(composite.vision_config.patch_size),
                           merge_size=int(composite.downsample_factor), placeholder="<image>")  # fmt: skip

@@ -348,6 +348,7 @@ def _load_vision(
     from engine_server.multimodal.checkpoint import CheckpointEncoder
     from engine_server.multimodal.llava import (  # (transformers' modules: only for these models)
         Gemma3ImageEncoder,
+        Idefics2ImageEncoder,
         InternVLImageEncoder,
         LlavaImageEncoder,
         LlavaNextImageEncoder,
@@ -362,6 +363,7 @@ def _load_vision(
         "llava": LlavaImageEncoder, "mistral3": Mistral3ImageEncoder, "internvl": InternVLImageEncoder,
         "idefics3": TiledSiglipEncoder, "smolvlm": TiledSiglipEncoder, "llava_next": LlavaNextImageEncoder,
         "gemma3": Gemma3ImageEncoder, "aya_vision": LlavaImageEncoder, "vipllava": LlavaImageEncoder,
+        "idefics2": Idefics2ImageEncoder,
     }  # fmt: skip
     return encoders.get(kind, QwenVisionEncoder).from_checkpoint(source.path, source.lazy_weights(), dtype, device)
 

@@ -145,6 +145,43 @@ class TiledSiglipEncoder(CheckpointEncoder):
         return features.reshape(-1, features.shape[-1])
 
 
+class Idefics2ImageEncoder(CheckpointEncoder):
+    """Idefics 2's images: each tile (the image, or its four quarters then itself where the processor splits it) through
+    the SigLIP-like tower over the patches its pixel mask covers whole, projected and resampled by the connector's
+    perceiver into `resampler_n_latents` tokens, as transformers' `Idefics2Model.get_image_features` computes them:
+    `[tiles, 3, H, W]` -> `[tiles * latents, text hidden]`, in the tiles' order."""
+
+    parts = ("vision_model.", "connector.")
+
+    def __init__(self, composite: Any) -> None:
+        super().__init__()
+        from transformers.models.idefics2.modeling_idefics2 import Idefics2Connector, Idefics2VisionTransformer
+
+        self.config = composite  # (read by transformers' `get_image_features`: the patch size)
+        self.vision_model = Idefics2VisionTransformer._from_config(composite.vision_config)
+        self.connector = Idefics2Connector(composite)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The encoder's dtype (transformers' `get_image_features` casts the pixels to it)."""
+        return self.connector.perceiver_resampler.latents.dtype
+
+    def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
+        """One image's tiles `[n, 3, H, W]` (padded at the bottom and the right to the largest) and `grid`, each tile's
+        (height, width) inside that padding in turn -> their tokens' embeddings."""
+        from transformers.models.idefics2.modeling_idefics2 import Idefics2Model
+
+        tiles = pixel_values.shape[0]
+        assert grid is not None and len(grid) == 2 * tiles, "an Idefics 2 image has each tile's size"
+        mask = torch.zeros(tiles, *pixel_values.shape[-2:], dtype=torch.long, device=pixel_values.device)
+        for tile in range(tiles):  # (the processor's pixel mask: the tile's own pixels, not its padding)
+            mask[tile, : grid[2 * tile], : grid[2 * tile + 1]] = 1
+        features: Any = Idefics2Model.get_image_features  # (it reads its model's config, tower and connector alone)
+        out = features(self, pixel_values.unsqueeze(0), mask.unsqueeze(0), return_dict=True)
+        result: torch.Tensor = out.pooler_output[0]
+        return result
+
+
 class LlavaNextImageEncoder(CheckpointEncoder):
     """LLaVA-NeXT's images (LLaVA 1.6): the image's tiles of its any-resolution grid and its base view through the tower
     and the projector (as LLaVA's), then laid out as transformers' `LlavaNextModel` packs them: the base view's rows,

@@ -5,16 +5,20 @@
 `max_image_pixels`), turned into pixel values by the checkpoint's image processor (`preprocessor_config.json`, read by
 transformers' PIL backend, as transformers' own processor would), and its one placeholder becomes its tokens
 (LLaVA's one per patch, `ImageInput.tokens_per_image`; the Qwen-VL towers' one per merged patch of its grid), the
-prompt's M-RoPE positions laid out where the model has them (`qwen_vl.mrope_positions`). Runs in the frontend, off
-the step loop.
+prompt's M-RoPE positions laid out where the model has them (`qwen_vl.mrope_positions`). Where the model's processor
+lays its images out in the prompt's text (Gemma 3's; Idefics 2's, whose marks around an image depend on the text beside
+it), the text is laid out first (`prompt_ids`) and each image's runs of image tokens are found in its ids. Runs in the
+frontend, off the step loop.
 """
 
 from __future__ import annotations
 
+import copy
 import io
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +34,9 @@ _FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _PROCESSOR_CONFIG = "preprocessor_config.json"
 # The kinds whose own processor lays an image's tokens out (`_layout_processor`).
 _PROCESSOR_LAYOUTS = ("llava_next", "aya_vision")
+# The kinds whose own processor lays the images out in the whole prompt's text (`prompt_ids`): Idefics 2's (adjacent
+# images share the `<fake_token_around_image>` between them; text right after one starts with a space).
+_TEXT_LAYOUTS = ("idefics2",)
 
 
 @dataclass(frozen=True)
@@ -58,7 +65,7 @@ class ImageProcessing:
         self.row_marks = row_marks
         self.image_marks = image_marks
         # What lays an image's tokens out where the model's own does (`for_model`): Idefics 3's and SmolVLM's
-        # tokenizer (their layouts are text), LLaVA-NeXT's processor.
+        # tokenizer (their layouts are text), LLaVA-NeXT's processor, Idefics 2's (over the whole prompt's text).
         self.layout: Any = None
 
     @classmethod
@@ -70,7 +77,7 @@ class ImageProcessing:
         processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
         rows, image = _mark_ids(spec.row_marks, tokenizer, folder), _mark_ids(spec.image_marks, tokenizer, folder)
         processing = cls(spec, processor, row_marks=rows, image_marks=image)
-        if spec.encoder in _PROCESSOR_LAYOUTS:  # (its processor lays an image's tokens out)
+        if spec.encoder in (*_PROCESSOR_LAYOUTS, *_TEXT_LAYOUTS):  # (its processor lays an image's tokens out)
             if tokenizer is None:
                 raise ValueError(f"{spec.encoder} images need the tokenizer for their layout")
             processing.layout = _layout_processor(spec, processor, tokenizer)
@@ -88,13 +95,21 @@ class ImageProcessing:
         start, image, end = self.spec.text_marks
         return text.replace(start, f"\n\n{start}{image * self.spec.extra_tokens}{end}\n\n")
 
+    def prompt_ids(self, text: str, encode: Callable[[str], list[int]]) -> list[int]:
+        """The ids of a chat's rendered `text` whose turns hold images, as `prepare` takes them: `encode(text)` (the
+        tokenizer's), Gemma 3's text expanded first (`expand_text`); where the model's processor lays its images out
+        in the text (`_TEXT_LAYOUTS`: Idefics 2's), that processor's ids of the text."""
+        if self.spec.encoder in _TEXT_LAYOUTS:
+            return [int(token) for token in self.layout(text=text, add_special_tokens=False)["input_ids"][0]]
+        return encode(self.expand_text(text))
+
     def prepare(self, token_ids: Sequence[int], images: Sequence[PromptImage]) -> tuple[list[int], MultimodalInputs]:
-        """`token_ids` with each image's placeholder expanded to its tokens (where the text was expanded already,
-        `expand_text`, each run of image tokens is an image's), and the images as the encoder takes them.
+        """`token_ids` with each image's placeholder expanded to its tokens (where the text was laid out already,
+        `prompt_ids`, each image's runs of image tokens are found), and the images as the encoder takes them.
         ValidationError for a file that is no image, one too large, or a prompt whose placeholders do not match the
         images one for one (a turn's text that spells the placeholder itself)."""
         image_token = self.spec.image_token_id
-        if self.spec.text_marks is not None:
+        if self.spec.text_marks is not None or self.spec.encoder in _TEXT_LAYOUTS:
             return self._prepare_expanded(token_ids, images)
         placeholder = image_token
         if self.spec.placeholder is not None:
@@ -123,22 +138,41 @@ class ImageProcessing:
     def _prepare_expanded(
         self, token_ids: Sequence[int], images: Sequence[PromptImage]
     ) -> tuple[list[int], MultimodalInputs]:
-        """`prepare` of a prompt whose text was expanded (`expand_text`): each run of `extra_tokens` image tokens is
-        the next image's."""
+        """`prepare` of a prompt whose images were laid out with its text (`prompt_ids`): each image's tokens are the
+        next of its tiles' runs of `extra_tokens` image tokens (Gemma 3's one run; Idefics 2's one a tile, one
+        `<fake_token_around_image>` apart), its span from its first image token to its last."""
         image_token, count = self.spec.image_token_id, self.spec.extra_tokens
-        ids = list(token_ids)
-        starts = [i for i, token in enumerate(ids) if token == image_token and (i == 0 or ids[i - 1] != token)]
-        runs_whole = all(ids[s : s + count] == [image_token] * count for s in starts)
-        if len(starts) != len(images) or not runs_whole or ids.count(image_token) != count * len(images):
+        runs = _image_runs(token_ids, image_token)
+        tiled = [self._tiles(self._processed(image)) for image in images]
+        groups, first = [], 0
+        for _, _, tiles in tiled:
+            groups.append(runs[first : first + tiles])
+            first += tiles
+        apart = all(b - a == count + 1 for group in groups for (a, _), (b, _) in pairwise(group))
+        if first != len(runs) or any(length != count for _, length in runs) or not apart:
             raise ValidationError(
-                f"the prompt's image tokens do not lay out {len(images)} images of {count} tokens: a message's text "
-                "may not spell the model's image marks itself", "messages",
+                f"the prompt's image tokens do not lay out {len(images)} images of {count} tokens a tile: a message's "
+                "text may not spell the model's image marks itself", "messages",
             )  # fmt: skip
         spans = []
-        for start, image in zip(starts, images, strict=True):
-            pixels = self._processed(image)["pixel_values"][0]
-            spans.append(ImageSpan(start, count, pixels, image_digest(image.data)))
-        return ids, MultimodalInputs(tuple(spans), bidirectional=self.spec.bidirectional)
+        for image, group, (pixels, grid, tiles) in zip(images, groups, tiled, strict=True):
+            start, end = group[0][0], group[-1][0] + count
+            inner = tuple((offset - start, count) for offset, _ in group) if tiles > 1 else ()
+            spans.append(ImageSpan(start, end - start, pixels, image_digest(image.data), grid, inner))
+        return list(token_ids), MultimodalInputs(tuple(spans), bidirectional=self.spec.bidirectional)
+
+    @staticmethod
+    def _tiles(processed: Any) -> tuple[Any, tuple[int, ...] | None, int]:
+        """An image's pixels as its encoder takes them, its grid and its tiles' count, from its processor's output
+        where its tokens were laid out with the text: Gemma 3's `[3, H, W]`, one tile; Idefics 2's tiles `[n, 3, H, W]`
+        padded to the largest of them, `grid` each tile's (height, width) in turn that its pixel mask covers (the
+        mask's top left: transformers' Idefics 2 image processor pads at the bottom and the right)."""
+        pixels = processed["pixel_values"][0]
+        mask = processed.get("pixel_attention_mask")
+        if mask is None:
+            return pixels, None, 1
+        sizes = [(int(tile[:, 0].sum()), int(tile[0].sum())) for tile in mask[0]]
+        return pixels, tuple(side for size in sizes for side in size), len(sizes)
 
     def _laid_out(
         self, processed: Any
@@ -218,6 +252,8 @@ class ImageProcessing:
         if self.spec.encoder in _PROCESSOR_LAYOUTS:  # (its processor: the tiles and the placeholder's expansion alike)
             placeholder = self.spec.placeholder or self.layout.tokenizer.convert_ids_to_tokens(self.spec.image_token_id)
             return self.layout(text=placeholder, images=[rgb], return_tensors="pt", add_special_tokens=False)
+        if self.spec.encoder in _TEXT_LAYOUTS:  # (Idefics 2's: its tiles padded to the largest, their pixel masks)
+            return self.processor(images=[[rgb]], return_tensors="pt", do_pad=True)
         if self.spec.split_rows:  # (Idefics 3's and SmolVLM's: with its rows and columns of tiles)
             return self.processor(images=[[rgb]], return_tensors="pt", return_row_col_info=True)
         if self.spec.tiles:  # (InternVL's: tiles and a thumbnail, as its processor asks)
@@ -229,11 +265,20 @@ class ImageProcessing:
 
 
 def _layout_processor(spec: ImageInput, image_processor: Any, tokenizer: Any) -> Any:
-    """The model's own processor, which lays an image's tokens out (`_PROCESSOR_LAYOUTS`), over its PIL image processor
-    and `tokenizer`, its sizes the model's: LLaVA-NeXT's (as many tokens as its tiles unpad to), Aya Vision's (tiles
-    of `<|IMG_PATCH|>` tokens after their tile tokens, then the global view's)."""
+    """The model's own processor, which lays an image's tokens out (`_PROCESSOR_LAYOUTS`, `_TEXT_LAYOUTS`), over its
+    PIL image processor and `tokenizer`, its sizes the model's: LLaVA-NeXT's (as many tokens as its tiles unpad to),
+    Aya Vision's (tiles of `<|IMG_PATCH|>` tokens after their tile tokens, then the global view's), Idefics 2's
+    (`<fake_token_around_image>`, `extra_tokens` image tokens a tile, `<fake_token_around_image>`; over a copy of the
+    tokenizer, to which it adds its tokens: ValueError where the tokenizer lacks any)."""
     import transformers
 
+    if spec.encoder == "idefics2":
+        own = copy.deepcopy(tokenizer)
+        processor = transformers.Idefics2Processor(image_processor, own, image_seq_len=spec.extra_tokens)
+        if len(own) != len(tokenizer):
+            raise ValueError("the tokenizer lacks Idefics 2's tokens (<fake_token_around_image>, <image>, "
+                             "<end_of_utterance>) for its images")  # fmt: skip
+        return processor
     if spec.encoder == "llava_next":
         return transformers.LlavaNextProcessor(
             image_processor, tokenizer, patch_size=spec.patch_size, vision_feature_select_strategy="full",

@@ -647,6 +647,65 @@ def test_idefics3_and_smolvlm_answer_image_prompts_as_transformers_does(kind: st
     assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
 
 
+# Idefics 2 over a tiny SigLIP-like tower (patches of 14) and a perceiver of 4 latents beside a Mistral text model:
+# images resized to 28 to 56 pixels a side (not whole patches: each tile's pixel mask covers its whole patches), split
+# or not into their four quarters and themselves.
+_IDEFICS2_MARKS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>"]
+_IDEFICS2_PERCEIVER = {"hidden_size": _SHAPE["hidden_size"], "rms_norm_eps": 1e-6, "resampler_n_latents": 4,
+                       "resampler_depth": 2, "resampler_n_heads": 2, "resampler_head_dim": 16, "num_key_value_heads": 1}
+
+
+def save_idefics2(folder: Path, splitting: bool) -> Any:
+    """A tiny Idefics 2 checkpoint that reads images (split into tiles or not), saved in `folder` as transformers saves
+    it; returns the model."""
+    import transformers
+    from transformers.models.idefics2.image_processing_pil_idefics2 import Idefics2ImageProcessorPil
+
+    image = vision_tokenizer(folder, _IDEFICS2_MARKS, PARTS_BY_LOOP).convert_tokens_to_ids("<image>")
+    text = {**_SHAPE, "model_type": "mistral", "head_dim": 16, "vocab_size": image + 8}
+    config = transformers.Idefics2Config(text_config=text, vision_config=_TILED_SIGLIP,
+                                         perceiver_config=_IDEFICS2_PERCEIVER, image_token_id=image)  # fmt: skip
+    model = save_drawn(folder, transformers.Idefics2ForConditionalGeneration, config, wide_encoder, (0.08, 0.3))
+    Idefics2ImageProcessorPil(size={"shortest_edge": 28, "longest_edge": 56},
+                              do_image_splitting=splitting).save_pretrained(folder)  # fmt: skip
+    return model
+
+
+def idefics2_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor]:
+    """transformers' `Idefics2Processor` inputs for `prompt` (its images' tiles padded to the largest of the prompt's,
+    their pixel masks)."""
+    from transformers import AutoImageProcessor, Idefics2Processor
+
+    tokenizer, text, images = rendered(folder, prompt, PARTS_BY_LOOP)
+    processor = Idefics2Processor(AutoImageProcessor.from_pretrained(folder, backend="pil"), tokenizer,
+                                  image_seq_len=4)  # fmt: skip
+    inputs: dict[str, torch.Tensor] = processor(text=text, images=[images] if images else None, return_tensors="pt",
+                                                add_special_tokens=False)  # fmt: skip
+    return inputs
+
+
+@pytest.mark.parametrize("splitting", [False, True])
+def test_an_idefics2_checkpoint_answers_image_prompts_as_transformers_does(splitting: bool, tmp_path: Path) -> None:
+    """Idefics 2 (an image's 4 latents' tokens between `<fake_token_around_image>` marks; split, its four quarters'
+    then its own, one mark apart; adjacent images share the mark between them, text right after one starts with a
+    space): the prompt's ids are its processor's; prompts with one image, two apart, two adjacent and none, batched,
+    whole and in chunks of 5 (that cut through tiles), answer as transformers does for each prompt alone (its images'
+    tiles padded to the largest of the prompt's; the engine's to the largest of the image's). A text that spells the
+    placeholder is refused."""
+    model = save_idefics2(tmp_path, splitting)
+    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")]),
+               user("Which is brighter:", png(5), png(6, (50, 30)), "or?")]  # fmt: skip
+    inputs = [idefics2_inputs(tmp_path, prompt) for prompt in prompts]
+    tiles = 5 if splitting else 1
+    assert inputs[0]["pixel_values"].shape[1] == tiles
+    assert not inputs[2]["pixel_attention_mask"].all()  # (tiles, or the prompt's two images, padded)
+    fake = model.config.image_token_id - 1  # (`<fake_token_around_image>`, added just before `<image>`)
+    assert inputs[-1]["input_ids"][0].tolist().count(fake) == 2 * (tiles + 1) - 1  # (one shared by the two)
+    assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
+    with engine(tmp_path) as llm, pytest.raises(ValidationError, match="do not lay out 1 images"):
+        llm.chat([user("An <image> here:", png(1))], GREEDY, use_tqdm=False)  # (the text spells the placeholder)
+
+
 # GLM-4.1V, GLM-4.5V and GLM-4.6V: Qwen2-VL's layout (patches of 14 merged 2 x 2, M-RoPE) over GLM's tower and text
 # model (rope over half of each 16-wide head: 4 rotated pairs, turned by time (1), height (1) and width (2)).
 _GLM_TOWER = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
