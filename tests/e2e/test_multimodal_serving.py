@@ -5,7 +5,8 @@ what the template renders for OpenAI's text parts, the reply transformers' greed
 sends a string or text parts; an image is refused by name (the checkpoint holds no image processor). A Qwen2.5-VL
 checkpoint that reads images, behind the same two processes: images sent as data: URLs and as http URLs the gateway
 fetches, through the SDK (whole and streamed) and through the engine's own gRPC API, answered with transformers'
-greedy tokens for the prompt its processor lays out."""
+greedy tokens for the prompt its processor lays out. A Qwen2-Audio checkpoint on two tensor-parallel ranks: OpenAI's
+`input_audio` parts (WAV and MP3) through the SDK, answered likewise."""
 
 from __future__ import annotations
 
@@ -203,3 +204,55 @@ def transformers_tokenizer(folder: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def audio_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Any, EngineProcess, GatewayProcess]]:
+    """A Qwen2-Audio checkpoint that hears audio, behind `ladle engine` (two tensor-parallel ranks) and `ladle gateway`."""
+    from tests.unit.test_audio_input import save_qwen2_audio
+
+    root = tmp_path_factory.mktemp("qwen2_audio")
+    folder = root / "model"
+    model = save_qwen2_audio(folder)
+    engine = start_engine(root / "engine.log", "--model", str(folder), "--quantization", "none",
+                          "--tensor-parallel-size", "2", threads=1)  # fmt: skip
+    gateway = start_gateway(root / "gateway.log", engine.address)
+    yield folder, model, engine, gateway
+    assert gateway.stop() == 0
+    assert engine.stop() == 0
+
+
+def test_the_openai_sdk_sends_audio_to_a_qwen2_audio_checkpoint(
+    audio_served: tuple[Path, Any, EngineProcess, GatewayProcess],
+) -> None:
+    """OpenAI's `input_audio` parts (a WAV and an MP3, base64) in one turn, through the SDK to an engine of two ranks:
+    the reply is transformers' greedy tokens for the prompt its processor lays out for the clips as the engine hears
+    them; a part that is no audio file is a 400 naming it."""
+    from tests.unit.test_audio_input import clip
+    from tests.unit.test_audio_input import processor_inputs as audio_inputs
+    from tests.unit.test_audio_input import user as audio_user
+
+    folder, model, _, gateway = audio_served
+    wav, mp3 = clip(1, 1.2), clip(2, 0.9, 22_050, 2, "MP3")
+    inputs = audio_inputs(folder, audio_user("Compare", wav, "with", mp3, "please."))
+    expected = transformers_greedy(model, inputs)
+    sdk = openai.OpenAI(base_url=gateway.base_url, api_key="unused")
+
+    def audio(data: bytes, fmt: str) -> dict[str, Any]:
+        return {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}}
+
+    content = [{"type": "text", "text": "Compare"}, audio(wav, "wav"), {"type": "text", "text": "with"},
+               audio(mp3, "mp3"), {"type": "text", "text": "please."}]  # fmt: skip
+    model_id = sdk.models.list().data[0].id
+    reply = sdk.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": content}],  # type: ignore[misc, list-item]
+        max_tokens=NEW_TOKENS, temperature=0.0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert reply.usage is not None and reply.usage.prompt_tokens == inputs["input_ids"].shape[1]
+    assert reply.choices[0].message.content == transformers_tokenizer(folder).decode(expected, skip_special_tokens=True)
+    with pytest.raises(openai.BadRequestError, match="cannot be read") as refused:
+        sdk.chat.completions.create(
+            model=model_id, max_tokens=4,
+            messages=[{"role": "user", "content": [audio(b"RIFF not a wave", "wav")]}],  # type: ignore[list-item]
+        )  # fmt: skip
+    assert refused.value.param == "messages[0].content[0]"
