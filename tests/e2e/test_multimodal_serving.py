@@ -208,7 +208,7 @@ def transformers_tokenizer(folder: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def audio_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Any, EngineProcess, GatewayProcess]]:
-    """A Qwen2-Audio checkpoint that hears audio, behind `ladle engine` (two tensor-parallel ranks) and `ladle gateway`."""
+    """A Qwen2-Audio checkpoint that hears audio, behind `ladle engine` (two tensor-parallel ranks) and the gateway."""
     from tests.unit.test_audio_input import save_qwen2_audio
 
     root = tmp_path_factory.mktemp("qwen2_audio")
