@@ -832,6 +832,60 @@ def test_an_aya_vision_checkpoint_answers_image_prompts_as_transformers_does(tmp
     assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
 
 
+# DeepSeek-VL over a tiny SigLIP (56 pixels, 4 x 4 patches of 14: 16 tokens an image) beside a random Llama; the
+# tokenizer names its image token (`image_token`), as the converted checkpoints' do, for the processor.
+DEEPSEEK_TEMPLATE = PARTS_BY_LOOP.replace("<image>", "<image_placeholder>")
+
+
+def named_tokenizer(folder: Path, names: dict[str, str], template: str) -> Any:
+    """`vision_tokenizer` with `names`' tokens added and named (`tokenizer.image_token`, ... as the processors read
+    them), saved in `folder`; returns it."""
+    from transformers import AutoTokenizer
+
+    vision_tokenizer(folder, list(names.values()), template)
+    tokenizer = AutoTokenizer.from_pretrained(folder, extra_special_tokens=names)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def save_deepseek_vl(folder: Path) -> Any:
+    """A tiny DeepSeek-VL checkpoint that reads images, saved in `folder` as transformers saves it; returns the
+    model."""
+    import transformers
+    from transformers.models.deepseek_vl.image_processing_pil_deepseek_vl import DeepseekVLImageProcessorPil
+
+    tokenizer = named_tokenizer(folder, {"image_token": "<image_placeholder>"}, DEEPSEEK_TEMPLATE)
+    image = tokenizer.convert_tokens_to_ids("<image_placeholder>")
+    text = {**_SHAPE, "model_type": "llama", "vocab_size": image + 8}
+    vision = {**_GEMMA3_SIGLIP, "model_type": "siglip_vision_model"}
+    config = transformers.DeepseekVLConfig(text_config=text, vision_config=vision, image_token_id=image)
+    model = save_drawn(folder, transformers.DeepseekVLForConditionalGeneration, config, wide_encoder, (0.08, 0.3))
+    DeepseekVLImageProcessorPil(size={"height": 56, "width": 56}).save_pretrained(folder)
+    return model
+
+
+def deepseek_vl_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor]:
+    """transformers' `DeepseekVLProcessor` inputs for `prompt` (16 image tokens an image)."""
+    from transformers import AutoImageProcessor, DeepseekVLProcessor
+
+    tokenizer, text, images = rendered(folder, prompt, DEEPSEEK_TEMPLATE)
+    processor = DeepseekVLProcessor(AutoImageProcessor.from_pretrained(folder, backend="pil"), tokenizer,
+                                    num_image_tokens=16)  # fmt: skip
+    inputs: dict[str, torch.Tensor] = processor(text=text, images=images or None, return_tensors="pt",
+                                                add_special_tokens=False)  # fmt: skip
+    return inputs
+
+
+def test_a_deepseek_vl_checkpoint_answers_image_prompts_as_transformers_does(tmp_path: Path) -> None:
+    """DeepSeek-VL (an image padded to a square, its SigLIP tower's patches through the aligner, `num_image_tokens`
+    tokens an image): the prompt's ids are its processor's; prompts with one image, two (of other aspects) and none,
+    batched, whole and in chunks of 5, answer as transformers does."""
+    model = save_deepseek_vl(tmp_path)
+    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    inputs = [deepseek_vl_inputs(tmp_path, prompt) for prompt in prompts]
+    assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
+
+
 @pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl", "gemma3"])
 def test_images_are_read_under_tensor_parallelism_as_on_one_rank(kind: str, tmp_path: Path) -> None:
     """Two ranks (rank 0 encodes; the encoder's rows, M-RoPE's positions, DeepStack's features and Gemma 3's two-way
