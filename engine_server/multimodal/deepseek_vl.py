@@ -1,9 +1,11 @@
-"""DeepSeek-VL's images: its SigLIP tower's last hidden states through its aligner (two linears around a GELU), as
-transformers' `DeepseekVLModel.get_image_features` computes them, a fixed number of tokens an image (one a patch of the
-tower's square image: its processor's `num_image_tokens`).
+"""DeepSeek-VL's and Janus's images: the vision tower's last hidden states through the aligner, as transformers'
+`DeepseekVLModel.get_image_features` and `JanusModel.get_image_features` compute them, a fixed number of tokens an
+image (one a patch of the tower's square image: their processors' `num_image_tokens`).
 
-The tower and the aligner are transformers' own modules (`AutoModel` of the vision config, `DeepseekVLAligner`), built
-from the checkpoint's config and loaded with its `vision_model.` and `aligner.` tensors.
+The tower and the aligner are transformers' own modules, built from the checkpoint's config and loaded with its
+`vision_model.` and `aligner.` tensors: DeepSeek-VL's SigLIP (`AutoModel` of the vision config) and
+`DeepseekVLAligner` (two linears around a GELU); Janus's `JanusVisionModel` and `JanusVisionAlignerMLP` (its
+understanding path: the image generation's VQ model, aligner and head are not read).
 """
 
 from __future__ import annotations
@@ -22,11 +24,17 @@ class DeepseekVLImageEncoder(CheckpointEncoder):
 
     def __init__(self, composite: Any) -> None:
         super().__init__()
-        from transformers import AutoModel
-        from transformers.models.deepseek_vl.modeling_deepseek_vl import DeepseekVLAligner
+        if composite.model_type == "janus":
+            from transformers.models.janus.modeling_janus import JanusVisionAlignerMLP, JanusVisionModel
 
-        self.vision_model = AutoModel.from_config(composite.vision_config)
-        self.aligner = DeepseekVLAligner(composite)
+            self.vision_model: Any = JanusVisionModel._from_config(composite.vision_config)
+            self.aligner: Any = JanusVisionAlignerMLP(composite.vision_config)
+        else:
+            from transformers import AutoModel
+            from transformers.models.deepseek_vl.modeling_deepseek_vl import DeepseekVLAligner
+
+            self.vision_model = AutoModel.from_config(composite.vision_config)
+            self.aligner = DeepseekVLAligner(composite)
 
     def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
         """One image's `[1, 3, S, S]` (or `[3, S, S]`) -> its tokens' embeddings `[tokens, text hidden]`."""

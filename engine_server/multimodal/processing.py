@@ -29,7 +29,7 @@ DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
 _FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _PROCESSOR_CONFIG = "preprocessor_config.json"
 # The kinds whose own processor lays an image's tokens out (`_layout_processor`).
-_PROCESSOR_LAYOUTS = ("llava_next", "aya_vision", "deepseek_vl")
+_PROCESSOR_LAYOUTS = ("llava_next", "aya_vision", "deepseek_vl", "janus")
 
 
 @dataclass(frozen=True)
@@ -232,7 +232,8 @@ def _layout_processor(spec: ImageInput, image_processor: Any, tokenizer: Any) ->
     """The model's own processor, which lays an image's tokens out (`_PROCESSOR_LAYOUTS`), over its PIL image processor
     and `tokenizer`, its sizes the model's: LLaVA-NeXT's (as many tokens as its tiles unpad to), Aya Vision's (tiles
     of `<|IMG_PATCH|>` tokens after their tile tokens, then the global view's), DeepSeek-VL's (`extra_tokens` image
-    tokens an image; its tokenizer names its image token, `tokenizer.image_token`, else ValueError)."""
+    tokens an image; its tokenizer names its image token, `tokenizer.image_token`, else ValueError), Janus's (the same
+    between its `tokenizer.boi_token` and `tokenizer.eoi_token`)."""
     import transformers
 
     if spec.encoder == "llava_next":
@@ -240,10 +241,12 @@ def _layout_processor(spec: ImageInput, image_processor: Any, tokenizer: Any) ->
             image_processor, tokenizer, patch_size=spec.patch_size, vision_feature_select_strategy="full",
             num_additional_image_tokens=spec.extra_tokens,
         )  # fmt: skip
-    if spec.encoder == "deepseek_vl":
-        if getattr(tokenizer, "image_token", None) is None:  # (its processor reads the image token by this name)
-            raise ValueError("deepseek_vl images need a tokenizer that names its image_token")
-        return transformers.DeepseekVLProcessor(image_processor, tokenizer, num_image_tokens=spec.extra_tokens)
+    if spec.encoder in ("deepseek_vl", "janus"):
+        names = ("image_token", "boi_token", "eoi_token") if spec.encoder == "janus" else ("image_token",)
+        if any(getattr(tokenizer, name, None) is None for name in names):  # (its processor reads them by these names)
+            raise ValueError(f"{spec.encoder} images need a tokenizer that names its {', '.join(names)}")
+        processor = transformers.JanusProcessor if spec.encoder == "janus" else transformers.DeepseekVLProcessor
+        return processor(image_processor, tokenizer, num_image_tokens=spec.extra_tokens)
     side = int(image_processor.size["height"])  # (Aya Vision's tiles: the tower's image size)
     return transformers.AyaVisionProcessor(image_processor, tokenizer, img_size=side,
                                            patch_size=spec.patch_size * spec.merge_size)  # fmt: skip
