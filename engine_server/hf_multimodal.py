@@ -10,8 +10,8 @@ differs from the class's defaults, and early ones are flat, the text model's key
 model's config (`text_config`) is read as the family's own, under the embedding tie of the composite model (the one
 transformers ties the LM head by). The towers and projectors beside the text model are read only where images are
 served (`engine_server.multimodal`, `MultimodalCheckpoint.images`: LLaVA, LLaVA-NeXT, Mistral 3, InternVL, Idefics 3,
-SmolVLM, DeepSeek-VL, Janus (its understanding path), the Qwen-VL and GLM-4.xV kinds); the other kinds serve text
-prompts, and a turn with an image is refused by name.
+SmolVLM, DeepSeek-VL and its hybrid, Janus (its understanding path), the Qwen-VL and GLM-4.xV kinds); the other
+kinds serve text prompts, and a turn with an image is refused by name.
 
 A text prompt takes the text model alone in each of these: the M-RoPE of the Qwen-VL and GLM-V families turns a text
 token's three position components, all its one position, as plain rope does; Llama 3.2 Vision skips its
@@ -102,7 +102,7 @@ def multimodal_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], Multimo
 def _image_input(composite: Any) -> ImageInput | None:
     """How a checkpoint whose images are served reads them: LLaVA's, LLaVA-NeXT's and Aya Vision's over a CLIP or
     SigLIP tower, whose class token (CLIP's) the "default" feature strategy drops; Gemma 3's; Mistral 3's over Pixtral;
-    InternVL's, Idefics 3's and SmolVLM's tiles; DeepSeek-VL's and Janus's (a fixed count an image); the
+    InternVL's, Idefics 3's and SmolVLM's tiles; DeepSeek-VL's, its hybrid's and Janus's (a fixed count an image); the
     Qwen-VL kinds' (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE; GLM-4.1V, 4.5V and 4.6V), their text model's M-RoPE
     sections (Qwen3-VL's interleaved) and Qwen3-VL's DeepStack layers. None for every other kind (text prompts
     alone)."""
@@ -140,7 +140,7 @@ def _image_input(composite: Any) -> ImageInput | None:
     if composite.model_type == "aya_vision" and composite.vision_config.model_type == "siglip_vision_model":
         return ImageInput("aya_vision", int(composite.image_token_id), int(composite.vision_config.patch_size),
                           merge_size=int(composite.downsample_factor), placeholder="<image>")  # fmt: skip
-    if composite.model_type in ("deepseek_vl", "janus"):  # (a token a patch of the tower's square image)
+    if composite.model_type in ("deepseek_vl", "janus", "deepseek_vl_hybrid"):  # (a token a patch of its square image)
         vision = composite.vision_config
         tokens = (int(vision.image_size) // int(vision.patch_size)) ** 2
         if composite.model_type == "janus":  # (its vision config states its processor's count)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine_server.config import ImageInput, MultimodalCheckpoint
 from engine_server.errors import ValidationError
 from engine_server.multimodal.inputs import ImageSpan, MultimodalInputs, image_digest
@@ -29,7 +31,11 @@ DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
 _FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _PROCESSOR_CONFIG = "preprocessor_config.json"
 # The kinds whose own processor lays an image's tokens out (`_layout_processor`).
-_PROCESSOR_LAYOUTS = ("llava_next", "aya_vision", "deepseek_vl", "janus")
+_PROCESSOR_LAYOUTS = ("llava_next", "aya_vision", "deepseek_vl", "janus", "deepseek_vl_hybrid")
+
+# The processors of the kinds whose image is a fixed number of tokens (`ImageInput.extra_tokens`).
+_FIXED_COUNT_PROCESSORS = {"deepseek_vl": "DeepseekVLProcessor", "janus": "JanusProcessor",
+                           "deepseek_vl_hybrid": "DeepseekVLHybridProcessor"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -159,6 +165,9 @@ class ImageProcessing:
             sizes = processed.get("image_sizes")
             original = None if sizes is None else (int(sizes[0][0]), int(sizes[0][1]))
             pixels = pixels[0] if pixels.dim() == 5 else pixels  # (LLaVA-NeXT's `[1, n, 3, H, W]`; Aya's `[n, ...]`)
+            high = processed.get("high_res_pixel_values")
+            if high is not None:  # (DeepSeek-VL hybrid's two views: flattened one after the other, their sides a grid)
+                pixels, original = torch.cat([pixels.flatten(), high.flatten()]), (pixels.shape[-1], high.shape[-1])
             return tokens, _image_runs(tokens, image_token), pixels, original
         if self.image_marks is not None:  # InternVL's: its tiles' tokens between its start and end tokens
             count = self.spec.extra_tokens * int(pixels.shape[0])
@@ -232,8 +241,8 @@ def _layout_processor(spec: ImageInput, image_processor: Any, tokenizer: Any) ->
     """The model's own processor, which lays an image's tokens out (`_PROCESSOR_LAYOUTS`), over its PIL image processor
     and `tokenizer`, its sizes the model's: LLaVA-NeXT's (as many tokens as its tiles unpad to), Aya Vision's (tiles
     of `<|IMG_PATCH|>` tokens after their tile tokens, then the global view's), DeepSeek-VL's (`extra_tokens` image
-    tokens an image; its tokenizer names its image token, `tokenizer.image_token`, else ValueError), Janus's (the same
-    between its `tokenizer.boi_token` and `tokenizer.eoi_token`)."""
+    tokens an image; its tokenizer names its image token, `tokenizer.image_token`, else ValueError), DeepSeek-VL
+    hybrid's (the same), Janus's (the same between its `tokenizer.boi_token` and `tokenizer.eoi_token`)."""
     import transformers
 
     if spec.encoder == "llava_next":
@@ -241,11 +250,11 @@ def _layout_processor(spec: ImageInput, image_processor: Any, tokenizer: Any) ->
             image_processor, tokenizer, patch_size=spec.patch_size, vision_feature_select_strategy="full",
             num_additional_image_tokens=spec.extra_tokens,
         )  # fmt: skip
-    if spec.encoder in ("deepseek_vl", "janus"):
+    if spec.encoder in _FIXED_COUNT_PROCESSORS:
         names = ("image_token", "boi_token", "eoi_token") if spec.encoder == "janus" else ("image_token",)
         if any(getattr(tokenizer, name, None) is None for name in names):  # (its processor reads them by these names)
             raise ValueError(f"{spec.encoder} images need a tokenizer that names its {', '.join(names)}")
-        processor = transformers.JanusProcessor if spec.encoder == "janus" else transformers.DeepseekVLProcessor
+        processor = getattr(transformers, _FIXED_COUNT_PROCESSORS[spec.encoder])
         return processor(image_processor, tokenizer, num_image_tokens=spec.extra_tokens)
     side = int(image_processor.size["height"])  # (Aya Vision's tiles: the tower's image size)
     return transformers.AyaVisionProcessor(image_processor, tokenizer, img_size=side,
