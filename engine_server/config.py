@@ -38,7 +38,9 @@ class ImageInput:
     time; "idefics3" or "smolvlm", SigLIP's through the pixel-shuffle connector, a tile at a time; "idefics2", its
     SigLIP-like tower's over the patches each tile's pixel mask covers whole, through its connector's perceiver
     resampler, `extra_tokens` latents a tile; "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe" and the GLM-4.xV
-    kinds, their towers over a processed image's patches, merged `merge_size` x `merge_size`), and the placeholder
+    kinds, their towers over a processed image's patches, merged `merge_size` x `merge_size`; "deepseek_vl" and
+    "janus", their tower's last hidden states through their aligner, `extra_tokens` tokens an image;
+    "deepseek_vl_hybrid", the same beside its SAM tower's of the image's high-resolution view), and the placeholder
     token its chat template writes once per image (`image_token_id`), expanded to the image's tokens: LLaVA's one per
     patch of `patch_size` squares plus `extra_tokens` (the tower's class token, unless the projector drops it: -1 to
     1; InternVL's and Idefics 2's `extra_tokens` a tile), the Qwen-VL towers' one per merged patch. With

@@ -10,8 +10,9 @@ differs from the class's defaults, and early ones are flat, the text model's key
 model's config (`text_config`) is read as the family's own, under the embedding tie of the composite model (the one
 transformers ties the LM head by). The towers and projectors beside the text model are read only where images are
 served (`engine_server.multimodal`, `MultimodalCheckpoint.images`: LLaVA, LLaVA-NeXT, ViP-LLaVA, Aya Vision, Gemma 3,
-Mistral 3, InternVL, Idefics 2, Idefics 3, SmolVLM, the Qwen-VL and GLM-4.xV kinds; `MultimodalCheckpoint.audio`:
-Qwen2-Audio); the other kinds serve text prompts, and a turn with an image or an audio clip is refused by name.
+Mistral 3, InternVL, Idefics 2, Idefics 3, SmolVLM, DeepSeek-VL and its hybrid, Janus (its understanding path), the
+Qwen-VL and GLM-4.xV kinds; `MultimodalCheckpoint.audio`: Qwen2-Audio); the other kinds serve text prompts, and a turn
+with an image or an audio clip is refused by name.
 
 A text prompt takes the text model alone in each of these: the M-RoPE of the Qwen-VL and GLM-V families turns a text
 token's three position components, all its one position, as plain rope does; Llama 3.2 Vision skips its
@@ -104,9 +105,9 @@ def _image_input(composite: Any) -> ImageInput | None:
     """How a checkpoint whose images are served reads them: LLaVA's, LLaVA-NeXT's, ViP-LLaVA's and Aya Vision's over a
     CLIP or SigLIP tower, whose class token (CLIP's) the "default" feature strategy drops (ViP-LLaVA's always);
     Gemma 3's; Mistral 3's over Pixtral; InternVL's, Idefics 3's and SmolVLM's tiles; Idefics 2's (its perceiver's
-    `resampler_n_latents` tokens a tile); the Qwen-VL kinds' (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE; GLM-4.1V,
-    4.5V and 4.6V), their text model's M-RoPE sections (Qwen3-VL's interleaved) and Qwen3-VL's DeepStack layers. None
-    for every other kind (text prompts alone)."""
+    `resampler_n_latents` tokens a tile); DeepSeek-VL's, its hybrid's and Janus's (a fixed count an image); the Qwen-VL
+    kinds' (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE; GLM-4.1V, 4.5V and 4.6V), their text model's M-RoPE sections
+    (Qwen3-VL's interleaved) and Qwen3-VL's DeepStack layers. None for every other kind (text prompts alone)."""
     if composite.model_type in _QWEN_VL:
         vision = composite.vision_config
         rope = composite.get_text_config(decoder=True).rope_parameters or {}
@@ -144,6 +145,13 @@ def _image_input(composite: Any) -> ImageInput | None:
     if composite.model_type == "aya_vision" and composite.vision_config.model_type == "siglip_vision_model":
         return ImageInput("aya_vision", int(composite.image_token_id), int(composite.vision_config.patch_size),
                           merge_size=int(composite.downsample_factor), placeholder="<image>")  # fmt: skip
+    if composite.model_type in ("deepseek_vl", "janus", "deepseek_vl_hybrid"):  # (a token a patch of its square image)
+        vision = composite.vision_config
+        tokens = (int(vision.image_size) // int(vision.patch_size)) ** 2
+        if composite.model_type == "janus":  # (its vision config states its processor's count)
+            tokens = int(vision.num_image_tokens)
+        return ImageInput(composite.model_type, int(composite.image_token_id), int(vision.patch_size),
+                          extra_tokens=tokens)  # fmt: skip
     if composite.model_type not in ("llava", "llava_next", "vipllava"):
         return None
     vision = composite.vision_config

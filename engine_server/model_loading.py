@@ -346,6 +346,7 @@ def _load_vision(
 
         return Qwen2AudioEncoder.from_checkpoint(source.path, source.lazy_weights(), dtype, device)
     from engine_server.multimodal.checkpoint import CheckpointEncoder
+    from engine_server.multimodal.deepseek_vl import DeepseekVLHybridImageEncoder, DeepseekVLImageEncoder
     from engine_server.multimodal.llava import (  # (transformers' modules: only for these models)
         Gemma3ImageEncoder,
         Idefics2ImageEncoder,
@@ -363,7 +364,8 @@ def _load_vision(
         "llava": LlavaImageEncoder, "mistral3": Mistral3ImageEncoder, "internvl": InternVLImageEncoder,
         "idefics3": TiledSiglipEncoder, "smolvlm": TiledSiglipEncoder, "llava_next": LlavaNextImageEncoder,
         "gemma3": Gemma3ImageEncoder, "aya_vision": LlavaImageEncoder, "vipllava": LlavaImageEncoder,
-        "idefics2": Idefics2ImageEncoder,
+        "idefics2": Idefics2ImageEncoder, "deepseek_vl": DeepseekVLImageEncoder, "janus": DeepseekVLImageEncoder,
+        "deepseek_vl_hybrid": DeepseekVLHybridImageEncoder,
     }  # fmt: skip
     return encoders.get(kind, QwenVisionEncoder).from_checkpoint(source.path, source.lazy_weights(), dtype, device)
 

@@ -22,6 +22,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine_server.config import ImageInput, MultimodalCheckpoint
 from engine_server.errors import ValidationError
 from engine_server.multimodal.inputs import ImageSpan, MultimodalInputs, image_digest
@@ -33,10 +35,13 @@ DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
 _FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _PROCESSOR_CONFIG = "preprocessor_config.json"
 # The kinds whose own processor lays an image's tokens out (`_layout_processor`).
-_PROCESSOR_LAYOUTS = ("llava_next", "aya_vision")
+_PROCESSOR_LAYOUTS = ("llava_next", "aya_vision", "deepseek_vl", "janus", "deepseek_vl_hybrid")
 # The kinds whose own processor lays the images out in the whole prompt's text (`prompt_ids`): Idefics 2's (adjacent
 # images share the `<fake_token_around_image>` between them; text right after one starts with a space).
 _TEXT_LAYOUTS = ("idefics2",)
+# The processors of the kinds whose image is a fixed number of tokens (`ImageInput.extra_tokens`).
+_FIXED_COUNT_PROCESSORS = {"deepseek_vl": "DeepseekVLProcessor", "janus": "JanusProcessor",
+                           "deepseek_vl_hybrid": "DeepseekVLHybridProcessor"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -193,6 +198,9 @@ class ImageProcessing:
             sizes = processed.get("image_sizes")
             original = None if sizes is None else (int(sizes[0][0]), int(sizes[0][1]))
             pixels = pixels[0] if pixels.dim() == 5 else pixels  # (LLaVA-NeXT's `[1, n, 3, H, W]`; Aya's `[n, ...]`)
+            high = processed.get("high_res_pixel_values")
+            if high is not None:  # (DeepSeek-VL hybrid's two views: flattened one after the other, their sides a grid)
+                pixels, original = torch.cat([pixels.flatten(), high.flatten()]), (pixels.shape[-1], high.shape[-1])
             return tokens, _image_runs(tokens, image_token), pixels, original
         if self.image_marks is not None:  # InternVL's: its tiles' tokens between its start and end tokens
             count = self.spec.extra_tokens * int(pixels.shape[0])
@@ -269,7 +277,9 @@ def _layout_processor(spec: ImageInput, image_processor: Any, tokenizer: Any) ->
     PIL image processor and `tokenizer`, its sizes the model's: LLaVA-NeXT's (as many tokens as its tiles unpad to),
     Aya Vision's (tiles of `<|IMG_PATCH|>` tokens after their tile tokens, then the global view's), Idefics 2's
     (`<fake_token_around_image>`, `extra_tokens` image tokens a tile, `<fake_token_around_image>`; over a copy of the
-    tokenizer, to which it adds its tokens: ValueError where the tokenizer lacks any)."""
+    tokenizer, to which it adds its tokens: ValueError where the tokenizer lacks any), DeepSeek-VL's (`extra_tokens`
+    image tokens an image; its tokenizer names its image token, `tokenizer.image_token`, else ValueError), DeepSeek-VL
+    hybrid's (the same), Janus's (the same between its `tokenizer.boi_token` and `tokenizer.eoi_token`)."""
     import transformers
 
     if spec.encoder == "idefics2":
@@ -284,6 +294,12 @@ def _layout_processor(spec: ImageInput, image_processor: Any, tokenizer: Any) ->
             image_processor, tokenizer, patch_size=spec.patch_size, vision_feature_select_strategy="full",
             num_additional_image_tokens=spec.extra_tokens,
         )  # fmt: skip
+    if spec.encoder in _FIXED_COUNT_PROCESSORS:
+        names = ("image_token", "boi_token", "eoi_token") if spec.encoder == "janus" else ("image_token",)
+        if any(getattr(tokenizer, name, None) is None for name in names):  # (its processor reads them by these names)
+            raise ValueError(f"{spec.encoder} images need a tokenizer that names its {', '.join(names)}")
+        processor = getattr(transformers, _FIXED_COUNT_PROCESSORS[spec.encoder])
+        return processor(image_processor, tokenizer, num_image_tokens=spec.extra_tokens)
     side = int(image_processor.size["height"])  # (Aya Vision's tiles: the tower's image size)
     return transformers.AyaVisionProcessor(image_processor, tokenizer, img_size=side,
                                            patch_size=spec.patch_size * spec.merge_size)  # fmt: skip

@@ -918,6 +918,160 @@ def test_an_aya_vision_checkpoint_answers_image_prompts_as_transformers_does(tmp
     assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
 
 
+# DeepSeek-VL over a tiny SigLIP (56 pixels, 4 x 4 patches of 14: 16 tokens an image) beside a random Llama; the
+# tokenizer names its image token (`image_token`), as the converted checkpoints' do, for the processor.
+DEEPSEEK_TEMPLATE = PARTS_BY_LOOP.replace("<image>", "<image_placeholder>")
+
+
+def named_tokenizer(folder: Path, names: dict[str, str], template: str) -> Any:
+    """`vision_tokenizer` with `names`' tokens added and named (`tokenizer.image_token`, ... as the processors read
+    them), saved in `folder`; returns it."""
+    from transformers import AutoTokenizer
+
+    vision_tokenizer(folder, list(names.values()), template)
+    tokenizer = AutoTokenizer.from_pretrained(folder, extra_special_tokens=names)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def save_deepseek_vl(folder: Path) -> Any:
+    """A tiny DeepSeek-VL checkpoint that reads images, saved in `folder` as transformers saves it; returns the
+    model."""
+    import transformers
+    from transformers.models.deepseek_vl.image_processing_pil_deepseek_vl import DeepseekVLImageProcessorPil
+
+    tokenizer = named_tokenizer(folder, {"image_token": "<image_placeholder>"}, DEEPSEEK_TEMPLATE)
+    image = tokenizer.convert_tokens_to_ids("<image_placeholder>")
+    text = {**_SHAPE, "model_type": "llama", "vocab_size": image + 8}
+    vision = {**_GEMMA3_SIGLIP, "model_type": "siglip_vision_model"}
+    config = transformers.DeepseekVLConfig(text_config=text, vision_config=vision, image_token_id=image)
+    model = save_drawn(folder, transformers.DeepseekVLForConditionalGeneration, config, wide_encoder, (0.08, 0.3))
+    DeepseekVLImageProcessorPil(size={"height": 56, "width": 56}).save_pretrained(folder)
+    return model
+
+
+def deepseek_vl_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor]:
+    """transformers' `DeepseekVLProcessor` inputs for `prompt` (16 image tokens an image)."""
+    from transformers import AutoImageProcessor, DeepseekVLProcessor
+
+    tokenizer, text, images = rendered(folder, prompt, DEEPSEEK_TEMPLATE)
+    processor = DeepseekVLProcessor(AutoImageProcessor.from_pretrained(folder, backend="pil"), tokenizer,
+                                    num_image_tokens=16)  # fmt: skip
+    inputs: dict[str, torch.Tensor] = processor(text=text, images=images or None, return_tensors="pt",
+                                                add_special_tokens=False)  # fmt: skip
+    return inputs
+
+
+def test_a_deepseek_vl_checkpoint_answers_image_prompts_as_transformers_does(tmp_path: Path) -> None:
+    """DeepSeek-VL (an image padded to a square, its SigLIP tower's patches through the aligner, `num_image_tokens`
+    tokens an image): the prompt's ids are its processor's; prompts with one image, two (of other aspects) and none,
+    batched, whole and in chunks of 5, answer as transformers does."""
+    model = save_deepseek_vl(tmp_path)
+    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    inputs = [deepseek_vl_inputs(tmp_path, prompt) for prompt in prompts]
+    assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
+
+
+# Janus over its tiny vision model (56 pixels, 4 x 4 patches of 14: `num_image_tokens` 16) and a tiny VQ model (its
+# image generation's, not read), beside a random Llama; its tokenizer names its image, begin and end tokens.
+_JANUS_TOKENS = {"image_token": "<image_placeholder>", "boi_token": "<begin_of_image>", "eoi_token": "<end_of_image>"}
+_JANUS_VISION = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "mlp_ratio": 2,
+                 "image_size": 56, "patch_size": 14, "num_image_tokens": 16, "projection_dim": 64}  # fmt: skip
+_JANUS_VQ = {"embed_dim": 8, "num_embeddings": 32, "latent_channels": 32, "base_channels": 32,
+             "channel_multiplier": [1, 1], "num_res_blocks": 1, "projection_dim": 64, "image_token_embed_dim": 32}
+
+
+def save_janus(folder: Path) -> Any:
+    """A tiny Janus checkpoint that reads images, saved in `folder` as transformers saves it; returns the model."""
+    import transformers
+    from transformers.models.janus.image_processing_pil_janus import JanusImageProcessorPil
+
+    tokenizer = named_tokenizer(folder, _JANUS_TOKENS, DEEPSEEK_TEMPLATE)
+    image, end = tokenizer.convert_tokens_to_ids(["<image_placeholder>", "<end_of_image>"])
+    text = {**_SHAPE, "model_type": "llama", "vocab_size": end + 8}
+    config = transformers.JanusConfig(text_config=text, vision_config=_JANUS_VISION, vq_config=_JANUS_VQ,
+                                      image_token_id=image)  # fmt: skip
+    model = save_drawn(folder, transformers.JanusForConditionalGeneration, config, wide_encoder, (0.08, 0.3))
+    JanusImageProcessorPil(size={"height": 56, "width": 56}).save_pretrained(folder)
+    return model
+
+
+def janus_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor]:
+    """transformers' `JanusProcessor` inputs for `prompt` (16 image tokens an image between its begin and end
+    tokens)."""
+    from transformers import AutoImageProcessor, JanusProcessor
+
+    tokenizer, text, images = rendered(folder, prompt, DEEPSEEK_TEMPLATE)
+    processor = JanusProcessor(AutoImageProcessor.from_pretrained(folder, backend="pil"), tokenizer,
+                               num_image_tokens=16)  # fmt: skip
+    inputs: dict[str, torch.Tensor] = processor(text=text, images=images or None, return_tensors="pt",
+                                                add_special_tokens=False)  # fmt: skip
+    return inputs
+
+
+def test_a_janus_checkpoint_answers_image_prompts_as_transformers_does(tmp_path: Path) -> None:
+    """Janus's understanding path (an image padded to a square, its vision model's patches through the aligner,
+    `num_image_tokens` tokens between `<begin_of_image>` and `<end_of_image>`): the prompt's ids are its processor's;
+    prompts with one image, two and none, batched, whole and in chunks of 5, answer as transformers does."""
+    model = save_janus(tmp_path)
+    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    inputs = [janus_inputs(tmp_path, prompt) for prompt in prompts]
+    assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
+
+
+# DeepSeek-VL hybrid: DeepSeek-VL's tiny SigLIP beside a tiny SAM (64 pixels, 4 x 4 patches of 16, its second layer
+# global), its global branch's weight drawn (transformers starts it at zero).
+_SAM = {"hidden_size": 32, "output_channels": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "mlp_dim": 64,
+        "image_size": 64, "patch_size": 16, "global_attn_indexes": [1], "window_size": 2}  # fmt: skip
+
+
+def save_deepseek_vl_hybrid(folder: Path) -> Any:
+    """A tiny DeepSeek-VL hybrid checkpoint that reads images, saved in `folder` as transformers saves it; returns the
+    model."""
+    import transformers
+    from transformers.models.deepseek_vl_hybrid.image_processing_pil_deepseek_vl_hybrid import (
+        DeepseekVLHybridImageProcessorPil,
+    )
+
+    tokenizer = named_tokenizer(folder, {"image_token": "<image_placeholder>"}, DEEPSEEK_TEMPLATE)
+    image = tokenizer.convert_tokens_to_ids("<image_placeholder>")
+    text = {**_SHAPE, "model_type": "llama", "vocab_size": image + 8}
+    vision = {**_GEMMA3_SIGLIP, "model_type": "siglip_vision_model"}
+    config = transformers.DeepseekVLHybridConfig(text_config=text, vision_config=vision, high_res_vision_config=_SAM,
+                                                 image_token_id=image)  # fmt: skip
+    model = save_drawn(folder, transformers.DeepseekVLHybridForConditionalGeneration, config, wide_encoder,
+                       (0.08, 0.3))  # fmt: skip
+    with torch.no_grad():
+        model.model.high_res_vision_alpha.fill_(0.7)
+    model.save_pretrained(folder)
+    DeepseekVLHybridImageProcessorPil(size={"height": 56, "width": 56},
+                                      high_res_size={"height": 64, "width": 64}).save_pretrained(folder)  # fmt: skip
+    return model
+
+
+def deepseek_vl_hybrid_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor]:
+    """transformers' `DeepseekVLHybridProcessor` inputs for `prompt` (16 image tokens an image; each image's low- and
+    high-resolution views)."""
+    from transformers import AutoImageProcessor, DeepseekVLHybridProcessor
+
+    tokenizer, text, images = rendered(folder, prompt, DEEPSEEK_TEMPLATE)
+    processor = DeepseekVLHybridProcessor(AutoImageProcessor.from_pretrained(folder, backend="pil"), tokenizer,
+                                          num_image_tokens=16)  # fmt: skip
+    inputs: dict[str, torch.Tensor] = processor(text=text, images=images or None, return_tensors="pt",
+                                                add_special_tokens=False)  # fmt: skip
+    return inputs
+
+
+def test_a_deepseek_vl_hybrid_checkpoint_answers_image_prompts_as_transformers_does(tmp_path: Path) -> None:
+    """DeepSeek-VL hybrid (an image's low-resolution view through SigLIP beside its high-resolution view through SAM,
+    both through the hybrid aligner, `num_image_tokens` tokens an image): the prompt's ids are its processor's; prompts
+    with one image, two and none, batched, whole and in chunks of 5, answer as transformers does."""
+    model = save_deepseek_vl_hybrid(tmp_path)
+    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    inputs = [deepseek_vl_hybrid_inputs(tmp_path, prompt) for prompt in prompts]
+    assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
+
+
 @pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl", "gemma3"])
 def test_images_are_read_under_tensor_parallelism_as_on_one_rank(kind: str, tmp_path: Path) -> None:
     """Two ranks (rank 0 encodes; the encoder's rows, M-RoPE's positions, DeepStack's features and Gemma 3's two-way
