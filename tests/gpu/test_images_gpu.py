@@ -20,11 +20,10 @@ import torch
 from engine_server import LLM
 from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_server.frontend import ChatPrompt
-from engine_server.tokenizer.chat import ChatMessage
 from tests.unit.test_image_input import (
     GREEDY,
-    PROMPTS,
     gemma3_inputs,
+    image_prompts,
     processor_inputs,
     qwen_inputs,
     save_gemma3,
@@ -51,15 +50,11 @@ def _engine(folder: Path, device: str, dtype: str = "float32", chunk: int = 2048
     return LLM(config=config)
 
 
-def _prompts() -> list[ChatPrompt]:
-    return [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
-
-
 @pytest.mark.parametrize("kind", sorted(_KINDS))
 def test_image_prompts_on_the_gpu_answer_as_transformers_does(tmp_path: Path, kind: str) -> None:
     save, inputs_of = _KINDS[kind]
     model = save(tmp_path)
-    prompts = _prompts()
+    prompts = image_prompts()
     expected = [transformers_greedy(model, inputs_of(tmp_path, prompt)) for prompt in prompts]
     for chunk in (2048, 20):  # (20: a Gemma 3 chunk ends before or after an image, never inside)
         with _engine(tmp_path, "cuda", chunk=chunk) as llm:
@@ -72,7 +67,7 @@ def test_image_prompts_on_the_gpu_answer_as_transformers_does(tmp_path: Path, ki
 @pytest.mark.parametrize("kind", ["qwen2_5_vl", "gemma3"])
 def test_bf16_image_prompts_on_the_gpu_agree_with_the_cpus_float_path(tmp_path: Path, kind: str) -> None:
     _KINDS[kind][0](tmp_path)
-    prompts = _prompts()
+    prompts = image_prompts()
     with _engine(tmp_path, "cpu") as cpu:
         theirs = [result.choices[0].token_ids for result in cpu.chat(prompts, GREEDY, use_tqdm=False)]
     with _engine(tmp_path, "cuda", dtype="bfloat16") as gpu:

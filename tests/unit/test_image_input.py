@@ -155,6 +155,11 @@ PROMPTS = {
 }
 
 
+def image_prompts() -> list[ChatPrompt]:
+    """Every case of `PROMPTS`, then a turn with no image."""
+    return [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+
+
 @pytest.mark.parametrize("case", sorted(PROMPTS))
 def test_an_image_prompt_is_laid_out_and_answered_as_transformers_does(
     case: str, llava: tuple[Path, Any], served: LLM
@@ -173,7 +178,7 @@ def test_a_vipllava_checkpoint_answers_image_prompts_as_transformers_does(tmp_pa
     prompt's ids are its processor's (LLaVA's); prompts with one image, two and none, batched, whole and in chunks of
     7, answer as transformers does."""
     model = save_vipllava(tmp_path)
-    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    prompts = image_prompts()
     inputs = [processor_inputs(tmp_path, prompt) for prompt in prompts]
     assert_serves_like(tmp_path, model, prompts, inputs, (2048, 7))
 
@@ -344,7 +349,7 @@ def test_a_qwen_vl_checkpoint_answers_image_prompts_as_transformers_does(
     through the decode graphs' path: each answer (decoded at the positions after the images) is transformers' for its
     prompt alone."""
     folder, model = qwen_vl
-    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    prompts = image_prompts()
     expected = [transformers_greedy(model, qwen_inputs(folder, prompt)) for prompt in prompts]
     with engine(folder, chunk=chunk) as llm:
         if graphs:  # the decode graphs' padded static buffers (CUDA's path), their rows' positions shifted
@@ -384,7 +389,7 @@ def test_the_quantized_default_reads_images_batch_invariantly(kind: str, tmp_pat
     savers = {"llava": save_llava, "qwen2_5_vl": lambda folder: save_qwen_vl(folder, "qwen2_5_vl"),
               "gemma3": save_gemma3}  # fmt: skip
     savers[kind](tmp_path)
-    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    prompts = image_prompts()
     with engine(tmp_path, quantization="int8") as llm:
         assert llm.core.runner.quantization == "int8" and llm.core.runner.image_features is not None
         batched = [result.choices[0].token_ids for result in llm.chat(prompts, GREEDY, use_tqdm=False)]
@@ -523,7 +528,7 @@ def test_a_mistral3_checkpoint_answers_image_prompts_as_transformers_does(
     ids are transformers' processor's; prompts with one image, two and none, batched, whole and in chunks of 5 (that
     cut rows and breaks), answer as transformers does."""
     folder, model = mistral3
-    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    prompts = image_prompts()
     inputs = [pixtral_inputs(folder, prompt) for prompt in prompts]
     expected = [transformers_greedy(model, each) for each in inputs]
     with engine(folder, chunk=chunk) as llm:
@@ -579,7 +584,7 @@ def test_an_internvl_checkpoint_answers_image_prompts_as_transformers_does(tmp_p
     its processor's layout; prompts with one image, two and none, batched, whole and in chunks of 5, answer as
     transformers does."""
     model = save_internvl(tmp_path)
-    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    prompts = image_prompts()
     inputs = [internvl_inputs(tmp_path, prompt) for prompt in prompts]
     assert any(each.get("pixel_values", torch.zeros(1)).shape[0] > 2 for each in inputs)  # (images of several tiles)
     assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
@@ -641,7 +646,7 @@ def test_idefics3_and_smolvlm_answer_image_prompts_as_transformers_does(kind: st
     its row and column token): the prompt's ids are its processor's layout; prompts with one image, two and none,
     batched, whole and in chunks of 5, answer as transformers does."""
     model = save_split_images_model(tmp_path, kind)
-    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    prompts = image_prompts()
     inputs = [split_images_inputs(tmp_path, kind, prompt) for prompt in prompts]
     assert inputs[0]["pixel_values"].shape[1] > 2  # (an image of several tiles beside its global view)
     assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
@@ -744,7 +749,7 @@ def test_glm4v_checkpoints_answer_image_prompts_as_transformers_does(kind: str, 
     """GLM-4.1V, GLM-4.5V and GLM-4.6V (M-RoPE over half of each head): prompts with one image, two and none,
     batched, whole and in chunks of 7, answer as transformers does (prompt ids as its processor lays them out)."""
     model = save_glm4v(tmp_path, kind)
-    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    prompts = image_prompts()
     inputs = [qwen_inputs(tmp_path, prompt) for prompt in prompts]
     assert_serves_like(tmp_path, model, prompts, inputs, (2048, 7))
 
@@ -787,7 +792,7 @@ def test_a_llava_next_checkpoint_answers_image_prompts_as_transformers_does(tmp_
     embedding after each row): the prompt's ids are its processor's; prompts with one image, two (of other aspects)
     and none, batched, whole and in chunks of 5, answer as transformers does."""
     model = save_llava_next(tmp_path)
-    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    prompts = image_prompts()
     inputs = [llava_next_inputs(tmp_path, prompt) for prompt in prompts]
     assert inputs[0]["pixel_values"].shape[1] > 2  # (an image of several tiles beside its base view)
     assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
@@ -844,7 +849,7 @@ def test_a_gemma3_checkpoint_answers_image_prompts_as_transformers_does(tmp_path
     chunk ends before an image or after it, never inside), answer as transformers does. An engine whose steps take
     fewer tokens than an image refuses images, saying so."""
     model = save_gemma3(tmp_path)
-    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    prompts = image_prompts()
     inputs = [gemma3_inputs(tmp_path, prompt) for prompt in prompts]
     assert_serves_like(tmp_path, model, prompts, inputs, (2048, 20))
     with engine(tmp_path, chunk=8) as llm, pytest.raises(ValidationError, match="16 tokens run in one step"):
@@ -912,7 +917,7 @@ def test_an_aya_vision_checkpoint_answers_image_prompts_as_transformers_does(tmp
     its start and end tokens): the prompt's ids are its processor's; prompts with one image, two and none, batched,
     whole and in chunks of 5, answer as transformers does."""
     model = save_aya_vision(tmp_path)
-    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    prompts = image_prompts()
     inputs = [aya_vision_inputs(tmp_path, prompt) for prompt in prompts]
     assert any(len(each.get("pixel_values", ())) > 2 for each in inputs)  # (several tiles beside a global view)
     assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
@@ -967,7 +972,7 @@ def test_a_deepseek_vl_checkpoint_answers_image_prompts_as_transformers_does(tmp
     tokens an image): the prompt's ids are its processor's; prompts with one image, two (of other aspects) and none,
     batched, whole and in chunks of 5, answer as transformers does."""
     model = save_deepseek_vl(tmp_path)
-    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    prompts = image_prompts()
     inputs = [deepseek_vl_inputs(tmp_path, prompt) for prompt in prompts]
     assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
 
@@ -1014,7 +1019,7 @@ def test_a_janus_checkpoint_answers_image_prompts_as_transformers_does(tmp_path:
     `num_image_tokens` tokens between `<begin_of_image>` and `<end_of_image>`): the prompt's ids are its processor's;
     prompts with one image, two and none, batched, whole and in chunks of 5, answer as transformers does."""
     model = save_janus(tmp_path)
-    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    prompts = image_prompts()
     inputs = [janus_inputs(tmp_path, prompt) for prompt in prompts]
     assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
 
@@ -1067,7 +1072,7 @@ def test_a_deepseek_vl_hybrid_checkpoint_answers_image_prompts_as_transformers_d
     both through the hybrid aligner, `num_image_tokens` tokens an image): the prompt's ids are its processor's; prompts
     with one image, two and none, batched, whole and in chunks of 5, answer as transformers does."""
     model = save_deepseek_vl_hybrid(tmp_path)
-    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    prompts = image_prompts()
     inputs = [deepseek_vl_hybrid_inputs(tmp_path, prompt) for prompt in prompts]
     assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
 
@@ -1082,7 +1087,7 @@ def test_images_are_read_under_tensor_parallelism_as_on_one_rank(kind: str, tmp_
         model, inputs_of = save_gemma3(tmp_path), gemma3_inputs
     else:
         model, inputs_of = save_qwen_vl(tmp_path, kind), qwen_inputs
-    prompts = [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No picture here.")])]
+    prompts = image_prompts()
     expected = [transformers_greedy(model, inputs_of(tmp_path, prompt)) for prompt in prompts]
     with engine(tmp_path, chunk=20, tensor_parallel_size=2) as llm:
         assert llm.core.runner.image_features is not None
