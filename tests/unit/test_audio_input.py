@@ -125,7 +125,8 @@ def served(qwen2_audio: tuple[Path, Any]) -> Iterator[LLM]:
         yield llm
 
 
-def _prompts() -> list[ChatPrompt]:
+def audio_prompts() -> list[ChatPrompt]:
+    """Every case of `PROMPTS`, then a turn with no clip."""
     return [*(PROMPTS[case]() for case in sorted(PROMPTS)), ChatPrompt([ChatMessage("user", "No sound here.")])]
 
 
@@ -136,7 +137,7 @@ def test_a_qwen2_audio_checkpoint_answers_audio_prompts_as_transformers_does(
     """Prompts with one clip, two (one a 44.1 kHz stereo FLAC) and none, batched, whole, in chunks of 7 and over two
     ranks in chunks of 20: the prompt's ids are the processor's, each answer transformers' for its prompt alone."""
     folder, model = qwen2_audio
-    prompts = _prompts()
+    prompts = audio_prompts()
     inputs = [processor_inputs(folder, prompt) for prompt in prompts]
     expected = [transformers_greedy(model, each) for each in inputs]
     with engine(folder, chunk=chunk, tensor_parallel_size=tensor_parallel_size) as llm:
