@@ -1,14 +1,14 @@
 """Every image and audio URL of a request as its file's bytes, before the request is translated:
 `MediaFetcher.fetch`.
 
-A data: URL (an input_audio part's data stands as one) is decoded (`translate.images.data_url_bytes`; a large one
+A data: URL (an input_audio part's data stands as one) is decoded (`translate.media_parts.data_url_bytes`; a large one
 in a thread); an http(s) URL is fetched with one shared httpx client: all of a request's files at once, each within
 the timeout (redirects included, at most MAX_REDIRECTS of them), its body streamed and cut off at its kind's byte
 cap (images' or audio's), its content type of its kind (`MediaSource.takes`: image/* for an image; audio/*,
 application/ogg or application/octet-stream for a clip). Whatever fails is a 400 naming the file's field and
 saying what went wrong, and nothing is sent to the engine. The URLs are checked (scheme, host) before anything is
 fetched, and the first that fails is the one reported; the same URL twice is fetched once, and a request holds at
-most MAX_IMAGES distinct ones, images and clips together.
+most MAX_MEDIA distinct ones, images and clips together.
 
 Every hop (the URL given and each redirect's) is checked before it is sent: its host must be one of the allowed
 media domains when they are set, and a host the operator did not list must resolve to public addresses only
@@ -40,11 +40,11 @@ from gateway.config import (
     GatewayConfig,
 )
 from gateway.errors import invalid
-from gateway.translate import images
-from gateway.translate.images import MediaSource
+from gateway.translate import media_parts
+from gateway.translate.media_parts import MediaSource
 
 MAX_REDIRECTS = 5
-MAX_IMAGES = 500  # distinct URLs in one request (OpenAI's per-request image limit): bounds the fetches it starts
+MAX_MEDIA = 500  # distinct URLs in one request (OpenAI's per-request image limit): bounds the fetches it starts
 _THREAD_DECODE_CHARS = 1 << 20  # a data: URL longer than this is decoded off the event loop
 _HEADERS = {"user-agent": "ladle-gateway"}
 _ACCEPT = {"image": "image/*", "audio": "audio/*, application/ogg;q=0.9, application/octet-stream;q=0.5"}
@@ -88,16 +88,16 @@ class MediaFetcher:
             self._http = None
 
     async def fetch(self, sources: Sequence[MediaSource]) -> dict[str, bytes]:
-        """The bytes of each distinct URL of `sources` (`translate.images.ImageBytes`); APIError (400) naming
+        """The bytes of each distinct URL of `sources` (`translate.media_parts.MediaBytes`); APIError (400) naming
         the first file, in order, whose URL is refused (or that gives a URL already given as the other kind),
         else the first whose fetch fails."""
-        unique = images.distinct(sources)
-        if len(unique) > MAX_IMAGES:
-            raise invalid(f"a request may hold at most {MAX_IMAGES} distinct images and audio clips",
+        unique = media_parts.distinct(sources)
+        if len(unique) > MAX_MEDIA:
+            raise invalid(f"a request may hold at most {MAX_MEDIA} distinct images and audio clips",
                           list(unique.values())[-1].param)
         for source in unique.values():
-            if images.url_kind(source) == "http":
-                images.check_host(urlsplit(source.url).hostname or "", source, self.allowed_domains)
+            if media_parts.url_kind(source) == "http":
+                media_parts.check_host(urlsplit(source.url).hostname or "", source, self.allowed_domains)
         if not unique:
             return {}
         tasks = [asyncio.ensure_future(self._bytes(source)) for source in unique.values()]
@@ -112,11 +112,11 @@ class MediaFetcher:
         return self.max_audio_bytes if source.kind == "audio" else self.max_bytes
 
     async def _bytes(self, source: MediaSource) -> bytes:
-        if images.url_kind(source) == "http":
+        if media_parts.url_kind(source) == "http":
             return await self._fetch(source)
         if len(source.url) > _THREAD_DECODE_CHARS:
-            return await asyncio.to_thread(images.data_url_bytes, source, self._cap(source))
-        return images.data_url_bytes(source, self._cap(source))
+            return await asyncio.to_thread(media_parts.data_url_bytes, source, self._cap(source))
+        return media_parts.data_url_bytes(source, self._cap(source))
 
     async def _fetch(self, source: MediaSource) -> bytes:
         try:
@@ -144,7 +144,7 @@ class MediaFetcher:
         host is allowed (module docstring). A listed host is fetched by name; another is checked, and a plain-http
         one sent to the address checked with its name in the Host header."""
         host = url.host  # httpx's parse, the one it connects by (lowercase; an IPv6 literal without brackets)
-        images.check_host(host, source, self.allowed_domains)
+        media_parts.check_host(host, source, self.allowed_domains)
         if host in self.allowed_domains:
             return url, {}
         # the name as httpx sends it (IDNA 2008): the socket module would encode `host` by IDNA 2003, which reads
@@ -166,12 +166,12 @@ class MediaFetcher:
         cap = self._cap(source)
         declared = response.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > cap:
-            raise images.too_large(source, cap)
+            raise media_parts.too_large(source, cap)
         data = bytearray()
         async for chunk in response.aiter_bytes():
             data += chunk
             if len(data) > cap:
-                raise images.too_large(source, cap)
+                raise media_parts.too_large(source, cap)
         if not data:
             raise invalid(f"the {source.kind} URL answered no data", source.param)
         return bytes(data)

@@ -7,7 +7,7 @@ given, at most its permits over every batch of the project that shares it. Each 
 `emit` as soon as all of its engine items have answered (generations, or Embed / Score requests for the pooling
 endpoints). Any item error that is not about load is that line's result: an error line with the HTTP status
 the route would have answered. A line's images and audio are fetched before it is taken, a few lines
-ahead (`line_images`); files that cannot be had are that line's error line too (400, as the route answers).
+ahead (`line_media`); files that cannot be had are that line's error line too (400, as the route answers).
 
 Every send of a line is an attempt (`attempts.PendingLine`) with fresh item and request ids. An attempt fails
 without being a result when its call fails while it is in flight (the engine died, restarts or drains; the call
@@ -46,7 +46,7 @@ import structlog
 from gateway import calls
 from gateway.batches import lines
 from gateway.batches.attempts import ABORTED, AttemptLimits, PendingLine, call_failure, parse_item_id
-from gateway.batches.line_images import LinesWithImages
+from gateway.batches.line_media import LinesWithMedia
 from gateway.batches.lines import InputLine
 from gateway.engines import Engine, EnginePool
 from gateway.errors import APIError, grpc_status, item_error
@@ -175,7 +175,7 @@ class LineRunner:
     recorded, by custom_id; `on_failure` is told each line's count whenever it grows, to record it. After a call
     that failed, the next one waits `backoff_s`, doubled after each further failed call in a row up to
     `max_backoff_s` (tests of many faults set them small). `media` fetches the lines' images and audio a few lines ahead
-    (`line_images`; None: a fetcher with the default limits, opened and closed by each run)."""
+    (`line_media`; None: a fetcher with the default limits, opened and closed by each run)."""
 
     def __init__(
         self,
@@ -213,7 +213,7 @@ class LineRunner:
         every line has its result, False as soon as `stop` is set (lines then in flight are cancelled in the
         engine and have no result)."""
         media = self.media or MediaFetcher()
-        lines_in = LinesWithImages(source, media)
+        lines_in = LinesWithMedia(source, media)
         progress = _Progress(emit, _Source(lines_in))
         backoff = self.backoff_s
         try:

@@ -12,7 +12,7 @@ refused. The body is checked with the route's own pydantic schema and
 route would also accept. A generation line's `model` may name a LoRA adapter the engines serve (`line_adapter`):
 its requests carry it, and its response names it; a pooling line naming one is refused, as the routes refuse it.
 A chat or responses line's images (and a chat line's audio clips: `image_sources`) are checked here (a data: URL
-or input_audio data decoded, an http(s) URL's form) and fetched only when the line runs (`line_images`): a fetch
+or input_audio data decoded, an http(s) URL's form) and fetched only when the line runs (`line_media`): a fetch
 that fails is that line's error line.
 Validation never raises for a line's content: whatever is wrong with a line (JSON nested too deep for the parser,
 a lone UTF-16 surrogate that no UTF-8 file or protobuf can carry, a value the engine request cannot hold) becomes
@@ -44,7 +44,7 @@ from gateway.translate import (
     responses_to_engine,
     to_engine,
 )
-from gateway.translate.images import MediaSource, chat_media_sources, unfetched
+from gateway.translate.media_parts import MediaSource, chat_media_sources, unfetched
 from ladle.v1 import engine_pb2, types_pb2
 
 if TYPE_CHECKING:  # not at run time: the validation child imports this module, and calls imports the pool
@@ -71,13 +71,13 @@ log = structlog.get_logger(__name__)
 @dataclass(frozen=True)
 class InputLine:
     """One request of a batch: `index` counts the file's non-blank lines from 0. `images` holds the bytes of its
-    image and audio URLs once fetched (`line_images`), or `image_error` why they could not be."""
+    image and audio URLs once fetched (`line_media`), or `media_error` why they could not be."""
 
     index: int
     custom_id: str
     body: Body
     images: Mapping[str, bytes] = field(default_factory=dict, repr=False, compare=False)
-    image_error: APIError | None = field(default=None, compare=False)
+    media_error: APIError | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -271,9 +271,9 @@ def engine_requests(
     pass it to `translate.pooling_to_engine`; `cache_salt` the batch's project's
     (`translate.cache_salt.project_cache_salt`), combined with a body's own `cache_salt` as the routes do;
     `adapter` the line's LoRA adapter (`line_adapter`), for a generation line; images from `line.images`.
-    APIError if the body cannot be expressed (or its images could not be fetched: `line.image_error`)."""
-    if line.image_error is not None:
-        raise line.image_error
+    APIError if the body cannot be expressed (or its images could not be fetched: `line.media_error`)."""
+    if line.media_error is not None:
+        raise line.media_error
     body = line.body
     requests: list[EngineRequest]
     if isinstance(body, ChatCompletionRequest):

@@ -32,7 +32,7 @@ from gateway.rate_limits import times
 from gateway.schemas.chat import BatchChatCompletionRequest
 from gateway.translate import from_engine, to_engine
 from gateway.translate.cache_salt import project_cache_salt
-from gateway.translate.images import chat_media_sources
+from gateway.translate.media_parts import chat_media_sources
 from ladle.v1 import types_pb2
 
 ROUTE = "/v1/chat/completions/batch"

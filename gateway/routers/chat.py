@@ -26,7 +26,7 @@ from gateway.schemas.chat import ChatCompletionRequest
 from gateway.streaming import StreamHeader, chat_chunks
 from gateway.translate import from_engine, to_engine
 from gateway.translate.cache_salt import project_cache_salt
-from gateway.translate.images import chat_media_sources
+from gateway.translate.media_parts import chat_media_sources
 
 ROUTE = "/v1/chat/completions"
 router = APIRouter(dependencies=[Depends(require_api_key)])

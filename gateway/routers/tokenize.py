@@ -16,7 +16,7 @@ from gateway.errors import invalid, invalid_body
 from gateway.schemas.chat import ChatCompletionRequest
 from gateway.schemas.tokenize import DetokenizeRequest, TokenizeRequest
 from gateway.translate import to_engine
-from gateway.translate.images import chat_media_sources
+from gateway.translate.media_parts import chat_media_sources
 from ladle.v1 import engine_pb2, types_pb2
 
 router = APIRouter(dependencies=[Depends(require_api_key)])

@@ -23,7 +23,7 @@ class ImageURL(BaseModel):
 
 class InputAudio(BaseModel):
     """An `input_audio` part's clip (OpenAI's form): the file's bytes in base64 and its format. Both are checked
-    when the message is translated (`translate.images.input_audio_source`: present, base64, a format of
+    when the message is translated (`translate.media_parts.input_audio_source`: present, base64, a format of
     AUDIO_FORMATS), so a 400 names the exact field (pydantic's would name the union `content` is)."""
 
     model_config = IGNORE_EXTRA

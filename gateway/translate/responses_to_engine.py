@@ -23,7 +23,7 @@ from gateway.errors import APIError, invalid, invalid_body
 from gateway.schemas.chat import ChatCompletionRequest
 from gateway.schemas.responses import ResponsesRequest
 from gateway.translate import to_engine
-from gateway.translate.images import NO_IMAGES, ImageBytes, ImageSource, url_kind
+from gateway.translate.media_parts import NO_MEDIA, ImageSource, MediaBytes, url_kind
 from ladle.v1 import engine_pb2
 
 # OpenAI's `include` values; only the logprobs one changes anything here (the others name tools or media that
@@ -274,7 +274,7 @@ def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
 
 def generate_request(
     body: ResponsesRequest, items: Sequence[dict[str, Any]], request_id: str, *, cache_salt: str = "",
-    adapter: str = "", images: ImageBytes = NO_IMAGES,
+    adapter: str = "", images: MediaBytes = NO_MEDIA,
 ) -> engine_pb2.GenerateRequest:
     """The engine request for `body` over the conversation `items` (a stored chain's items, then the body's own
     `input_items`), with its `instructions` first, on LoRA `adapter` ("" for the base model), its images' bytes

@@ -7,7 +7,7 @@ The pooling bodies (embeddings, score, rerank) are `pooling_to_engine`'s; it sha
 
 A message whose parts hold an image or an audio clip is sent as ordered `content_parts` (text, images and
 clips); one of text parts alone is joined into `content`, as before images were taken. A file's bytes come from
-`images` (`translate.images`), which the route fills before translating: every image and audio URL of the request
+`images` (`translate.media_parts`), which the route fills before translating: every image and audio URL of the request
 (an `input_audio` part's data standing as a data: URL), data: URLs decoded and http(s) URLs fetched
 (`gateway.media`).
 """
@@ -31,7 +31,7 @@ from gateway.schemas.chat import (
 from gateway.schemas.common import UINT32_MAX, SamplingFields
 from gateway.schemas.completions import MAX_PROMPTS, CompletionRequest
 from gateway.translate.cache_salt import request_cache_salt
-from gateway.translate.images import MEDIA_PARTS, NO_IMAGES, ImageBytes, part_source
+from gateway.translate.media_parts import MEDIA_PARTS, NO_MEDIA, MediaBytes, part_source
 from ladle.v1 import engine_pb2, types_pb2
 
 ENGINE_SEEDS = 2**63  # the engine takes seeds in [0, 2**63) (engine_server.sampling_params.SEED_LIMIT)
@@ -135,7 +135,7 @@ def _schema_text(value: dict[str, Any] | str) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def chat_input(body: ChatFields, messages: list[ChatMessage], images: ImageBytes = NO_IMAGES) -> types_pb2.Input:
+def chat_input(body: ChatFields, messages: list[ChatMessage], images: MediaBytes = NO_MEDIA) -> types_pb2.Input:
     """A conversation with its tools and template options as the engine's chat input; `images` holds the bytes of
     its image and audio URLs."""
     chat = types_pb2.ChatInput(
@@ -178,7 +178,7 @@ def template_kwargs(kwargs: dict[str, Any], chat: types_pb2.ChatInput) -> None:
         chat.chat_template_kwargs_json = json.dumps(variables)
 
 
-def chat_message(message: ChatMessage, index: int, images: ImageBytes = NO_IMAGES) -> types_pb2.ChatMessage:
+def chat_message(message: ChatMessage, index: int, images: MediaBytes = NO_MEDIA) -> types_pb2.ChatMessage:
     """One message of a conversation (the `index`-th, for the 400's field name); developer is a system message.
     Its image and audio parts take their bytes from `images` (a file missing there is a 400: a route that reads
     no images or audio passes none)."""
@@ -207,7 +207,7 @@ def _text(message: ChatMessage, index: int) -> str:
     return "\n".join(texts)
 
 
-def _content_parts(parts: list[ContentPart], where: str, images: ImageBytes) -> Iterator[types_pb2.ContentPart]:
+def _content_parts(parts: list[ContentPart], where: str, images: MediaBytes) -> Iterator[types_pb2.ContentPart]:
     """Text, image and audio parts in their order (adjacent text parts stay apart: the template joins them)."""
     for j, part in enumerate(parts):
         if part.type == "text" and part.text is not None:
@@ -258,7 +258,7 @@ def unicode_text() -> Iterator[None]:
 
 def chat_request(
     body: ChatFields, messages: list[ChatMessage], request_id: str, *, cache_salt: str = "", adapter: str = "",
-    images: ImageBytes = NO_IMAGES,
+    images: MediaBytes = NO_MEDIA,
 ) -> engine_pb2.GenerateRequest:
     """One engine request for one conversation of a chat body. `cache_salt` is the caller's project's
     (`cache_salt.project_cache_salt`); the request carries it combined with the body's own `cache_salt`.
@@ -270,7 +270,7 @@ def chat_request(
 
 def _chat_request(
     body: ChatFields, messages: list[ChatMessage], request_id: str, cache_salt: str, adapter: str,
-    images: ImageBytes,
+    images: MediaBytes,
 ) -> engine_pb2.GenerateRequest:
     logprobs = body.logprobs
     if body.top_logprobs and not logprobs:

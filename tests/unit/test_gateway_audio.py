@@ -33,7 +33,7 @@ from gateway.schemas.chat import ChatCompletionRequest
 from gateway.schemas.pooling import EmbeddingRequest
 from gateway.schemas.responses import ResponsesRequest
 from gateway.translate import pooling_to_engine, responses_to_engine, to_engine
-from gateway.translate.images import MediaKind, MediaSource, chat_media_sources, unfetched
+from gateway.translate.media_parts import MediaKind, MediaSource, chat_media_sources, unfetched
 from ladle_cli.main import _gateway_config, build_parser
 from tests.unit.fake_engine import MODEL, FakeEngine, gateway_client, start_fake_engine
 from tests.unit.test_gateway_images import RED, data_url, image_part, text_part

@@ -34,7 +34,7 @@ from gateway.media_hosts import is_public
 from gateway.schemas.chat import BatchChatCompletionRequest, ChatCompletionRequest
 from gateway.schemas.pooling import EmbeddingRequest
 from gateway.translate import pooling_to_engine, responses_to_engine, to_engine
-from gateway.translate.images import ImageSource, chat_media_sources, unfetched
+from gateway.translate.media_parts import ImageSource, chat_media_sources, unfetched
 from ladle_cli.main import _gateway_config, build_parser
 from tests.unit.fake_engine import MODEL, FakeEngine, gateway_client, start_fake_engine
 
@@ -274,13 +274,13 @@ async def test_a_requests_images_are_fetched_at_once_and_each_url_once(server: I
 
 
 async def test_a_request_holds_a_bounded_number_of_images() -> None:
-    from gateway.media import MAX_IMAGES
+    from gateway.media import MAX_MEDIA
 
-    sources = [ImageSource(data_url(bytes([i % 256, i // 256])), f"p{i}") for i in range(MAX_IMAGES + 1)]
-    assert len(await MediaFetcher().fetch(sources[:MAX_IMAGES])) == MAX_IMAGES
+    sources = [ImageSource(data_url(bytes([i % 256, i // 256])), f"p{i}") for i in range(MAX_MEDIA + 1)]
+    assert len(await MediaFetcher().fetch(sources[:MAX_MEDIA])) == MAX_MEDIA
     with pytest.raises(APIError) as raised:
         await MediaFetcher().fetch(sources)
-    assert raised.value.param == f"p{MAX_IMAGES}" and f"at most {MAX_IMAGES} distinct images" in raised.value.message
+    assert raised.value.param == f"p{MAX_MEDIA}" and f"at most {MAX_MEDIA} distinct images" in raised.value.message
 
 
 @pytest.mark.parametrize(("path", "says", "settings"), [

@@ -1,9 +1,9 @@
-"""A batch's lines with their images and audio fetched a few lines ahead of the runner: `LinesWithImages`.
+"""A batch's lines with their images and audio fetched a few lines ahead of the runner: `LinesWithMedia`.
 
 A chat or responses line's image URLs (and a chat line's audio: `lines.image_sources`) are fetched by the gateway's
 `MediaFetcher` while the lines before it are sent, up to `ahead` lines at once; the lines come out in their order,
 each carrying its files' bytes (`InputLine.images`) or, when they could not be had, the 400 that becomes its error
-line (`InputLine.image_error`, raised by `lines.engine_requests`). A line without images or audio is passed on as
+line (`InputLine.media_error`, raised by `lines.engine_requests`). A line without images or audio is passed on as
 soon as the lines before it are, and nothing is read ahead while the next line is ready.
 """
 
@@ -18,12 +18,12 @@ from gateway.batches import lines
 from gateway.batches.lines import InputLine
 from gateway.errors import APIError
 from gateway.media import MediaFetcher
-from gateway.translate.images import MediaSource
+from gateway.translate.media_parts import MediaSource
 
 AHEAD = 8  # lines whose images are fetched at once: each line's images are fetched together
 
 
-class LinesWithImages:
+class LinesWithMedia:
     """An async iterator over `source`'s lines, images and audio fetched; `close` cancels the fetches still
     running."""
 
@@ -34,7 +34,7 @@ class LinesWithImages:
         self._pending: deque[asyncio.Future[InputLine]] = deque()
         self._ended = False
 
-    def __aiter__(self) -> LinesWithImages:
+    def __aiter__(self) -> LinesWithMedia:
         return self
 
     async def __anext__(self) -> InputLine:
@@ -59,7 +59,7 @@ class LinesWithImages:
         try:
             sources = lines.image_sources(line)
         except APIError as error:  # not for a validated line; its error line all the same
-            sources, line = [], replace(line, image_error=error)
+            sources, line = [], replace(line, media_error=error)
         if sources:
             return asyncio.ensure_future(self._fetched(line, sources))
         ready: asyncio.Future[InputLine] = asyncio.get_running_loop().create_future()
@@ -70,4 +70,4 @@ class LinesWithImages:
         try:
             return replace(line, images=await self._media.fetch(sources))
         except APIError as error:
-            return replace(line, image_error=error)
+            return replace(line, media_error=error)

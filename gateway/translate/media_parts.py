@@ -1,6 +1,6 @@
 """Images and audio clips in chat messages: where a request holds them (`MediaSource`: a URL, the field that names
 it, and whether it is an image or audio) and what a data: URL holds. Pure functions; `gateway.media` fetches the
-http(s) URLs and hands `to_engine` every URL's bytes (`ImageBytes`, images' and clips' alike), so translation
+http(s) URLs and hands `to_engine` every URL's bytes (`MediaBytes`, images' and clips' alike), so translation
 itself never waits on the network.
 
 An image URL is a base64 data: URL with an image media type (`data:image/png;base64,...`) or an http(s) URL; an
@@ -28,8 +28,8 @@ from gateway.errors import APIError, invalid
 from gateway.schemas.chat import ChatMessage, ContentPart, InputAudio
 
 MediaKind = Literal["image", "audio"]
-ImageBytes = Mapping[str, bytes]  # an image or audio URL (`MediaSource.url`) -> the bytes of the file it names
-NO_IMAGES: ImageBytes = MappingProxyType({})
+MediaBytes = Mapping[str, bytes]  # an image or audio URL (`MediaSource.url`) -> the bytes of the file it names
+NO_MEDIA: MediaBytes = MappingProxyType({})
 DATA_PREFIX = "data:"
 MEDIA_PARTS = frozenset({"image_url", "input_audio", "audio_url"})  # the chat part types that carry a file
 # OpenAI documents wav and mp3 for input_audio; the engine decodes flac and ogg too. Each as the media type of the
@@ -46,7 +46,7 @@ _EXAMPLE = {"image": "data:image/png;base64,...", "audio": "data:audio/wav;base6
 
 @dataclass(frozen=True)
 class MediaSource:
-    """One image or audio clip of a request: its URL (the key of its bytes in `ImageBytes`), the field that holds
+    """One image or audio clip of a request: its URL (the key of its bytes in `MediaBytes`), the field that holds
     it (the 400's param), and its kind, which sets the media types taken and the byte cap."""
 
     url: str
