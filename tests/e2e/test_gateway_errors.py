@@ -36,7 +36,8 @@ LONG = [{"role": "user", "content": "Write a very long story about a dragon who 
         ({"messages": HELLO, "chat_template_kwargs": {"tools_in_user_message": True}}, "chat_template_kwargs"),
         ({"messages": HELLO, "regex": "(a", "max_tokens": 2}, "regex"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].image_url"),
-        ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages[0].content[0].type"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages[0].content[0].input_audio"),
+        ({"messages": [{"role": "user", "content": [{"type": "file"}]}]}, "messages[0].content[0].type"),
     ],
 )
 def test_400_names_the_param(gateway_http: httpx.Client, model_id: str, body: dict[str, Any], param: str) -> None:
