@@ -152,7 +152,7 @@ def _image_input(composite: Any) -> ImageInput | None:
             tokens = int(vision.num_image_tokens)
         return ImageInput(composite.model_type, int(composite.image_token_id), int(vision.patch_size),
                           extra_tokens=tokens)  # fmt: skip
-    if composite.model_type not in ("llava", "llava_next", "vipllava"):
+    if composite.model_type not in ("llava", "llava_next", "llava_next_video", "vipllava"):
         return None
     vision = composite.vision_config
     class_tokens = _CLASS_TOKENS.get(vision.model_type)

@@ -363,6 +363,7 @@ def _load_vision(
     encoders: dict[str, type[CheckpointEncoder]] = {
         "llava": LlavaImageEncoder, "mistral3": Mistral3ImageEncoder, "internvl": InternVLImageEncoder,
         "idefics3": TiledSiglipEncoder, "smolvlm": TiledSiglipEncoder, "llava_next": LlavaNextImageEncoder,
+        "llava_next_video": LlavaNextImageEncoder,
         "gemma3": Gemma3ImageEncoder, "aya_vision": LlavaImageEncoder, "vipllava": LlavaImageEncoder,
         "idefics2": Idefics2ImageEncoder, "deepseek_vl": DeepseekVLImageEncoder, "janus": DeepseekVLImageEncoder,
         "deepseek_vl_hybrid": DeepseekVLHybridImageEncoder,

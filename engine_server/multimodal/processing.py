@@ -35,7 +35,7 @@ DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
 _FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _PROCESSOR_CONFIG = "preprocessor_config.json"
 # The kinds whose own processor lays an image's tokens out (`_layout_processor`).
-_PROCESSOR_LAYOUTS = ("llava_next", "aya_vision", "deepseek_vl", "janus", "deepseek_vl_hybrid")
+_PROCESSOR_LAYOUTS = ("llava_next", "llava_next_video", "aya_vision", "deepseek_vl", "janus", "deepseek_vl_hybrid")
 # The kinds whose own processor lays the images out in the whole prompt's text (`prompt_ids`): Idefics 2's (adjacent
 # images share the `<fake_token_around_image>` between them; text right after one starts with a space).
 _TEXT_LAYOUTS = ("idefics2",)
@@ -289,7 +289,7 @@ def _layout_processor(spec: ImageInput, image_processor: Any, tokenizer: Any) ->
             raise ValueError("the tokenizer lacks Idefics 2's tokens (<fake_token_around_image>, <image>, "
                              "<end_of_utterance>) for its images")  # fmt: skip
         return processor
-    if spec.encoder == "llava_next":
+    if spec.encoder in ("llava_next", "llava_next_video"):  # (LLaVA-NeXT-Video's images are LLaVA-NeXT's)
         return transformers.LlavaNextProcessor(
             image_processor, tokenizer, patch_size=spec.patch_size, vision_feature_select_strategy="full",
             num_additional_image_tokens=spec.extra_tokens,

@@ -759,16 +759,20 @@ def test_glm4v_checkpoints_answer_image_prompts_as_transformers_does(kind: str, 
 _PINPOINTS = [[28, 28], [28, 56], [56, 28], [56, 56]]
 
 
-def save_llava_next(folder: Path) -> Any:
-    """A tiny LLaVA-NeXT checkpoint that reads images, saved in `folder` as transformers saves it; returns the model."""
+def save_llava_next(folder: Path, stem: str = "LlavaNext") -> Any:
+    """A tiny LLaVA-NeXT checkpoint (`stem` "LlavaNextVideo": LLaVA-NeXT-Video's) that reads images, saved in `folder`
+    as transformers saves it; returns the model."""
     import transformers
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
-    image_token = vision_tokenizer(folder, ["<image>"], PARTS_BY_LOOP).convert_tokens_to_ids("<image>")
-    text = {**_SHAPE, "model_type": "mistral", "head_dim": 16, "vocab_size": image_token + 8}
-    config = transformers.LlavaNextConfig(text_config=text, vision_config={**_CLIP, "image_size": 28},
-                                          image_token_id=image_token, image_grid_pinpoints=_PINPOINTS)  # fmt: skip
-    model = save_drawn(folder, transformers.LlavaNextForConditionalGeneration, config, wide_encoder, (0.08, 0.3))
+    tokenizer = vision_tokenizer(folder, ["<image>", "<video>"], PARTS_BY_LOOP)
+    image_token, video_token = (int(i) for i in tokenizer.convert_tokens_to_ids(["<image>", "<video>"]))
+    text = {**_SHAPE, "model_type": "mistral", "head_dim": 16, "vocab_size": video_token + 8}
+    tokens = {"image_token_id": image_token} | ({"video_token_id": video_token} if "Video" in stem else {})
+    config = getattr(transformers, f"{stem}Config")(text_config=text, vision_config={**_CLIP, "image_size": 28},
+                                                    image_grid_pinpoints=_PINPOINTS, **tokens)  # fmt: skip
+    model_class = getattr(transformers, f"{stem}ForConditionalGeneration")
+    model = save_drawn(folder, model_class, config, wide_encoder, (0.08, 0.3))
     LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
                                image_grid_pinpoints=_PINPOINTS).save_pretrained(folder)  # fmt: skip
     return model
@@ -785,6 +789,33 @@ def llava_next_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tenso
     inputs: dict[str, torch.Tensor] = processor(text=text, images=images or None, return_tensors="pt",
                                                 add_special_tokens=False)  # fmt: skip
     return inputs
+
+
+def llava_next_video_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor]:
+    """transformers' `LlavaNextVideoProcessor` inputs for `prompt` (its images alone: no video processor)."""
+    from transformers import AutoImageProcessor, LlavaNextVideoProcessor
+
+    class ImagesOnly(LlavaNextVideoProcessor):  # type: ignore[misc]  # (its video processor would need torchvision)
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> type:
+            return type(argument)
+
+    tokenizer, text, images = rendered(folder, prompt, PARTS_BY_LOOP)
+    image_processor = AutoImageProcessor.from_pretrained(folder, backend="pil")
+    processor = ImagesOnly(video_processor=None, image_processor=image_processor, tokenizer=tokenizer, patch_size=14,
+                           vision_feature_select_strategy="default", num_additional_image_tokens=1)  # fmt: skip
+    inputs: dict[str, torch.Tensor] = processor(text=text, images=images or None, return_tensors="pt",
+                                                add_special_tokens=False)  # fmt: skip
+    return inputs
+
+
+def test_a_llava_next_video_checkpoint_answers_image_prompts_as_transformers_does(tmp_path: Path) -> None:
+    """LLaVA-NeXT-Video's images (LLaVA-NeXT's: tiles on the best grid, unpadded, newlines): the prompt's ids are its
+    own processor's; prompts with one image, two and none, batched, whole and in chunks of 5, answer as transformers
+    does (its videos are not read)."""
+    model = save_llava_next(tmp_path, "LlavaNextVideo")
+    prompts = image_prompts()
+    inputs = [llava_next_video_inputs(tmp_path, prompt) for prompt in prompts]
+    assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
 
 
 def test_a_llava_next_checkpoint_answers_image_prompts_as_transformers_does(tmp_path: Path) -> None:
