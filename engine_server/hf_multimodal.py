@@ -52,6 +52,9 @@ MULTIMODAL_ARCHITECTURES = frozenset({
     "video_llava", "vipllava", "qwen2_5_omni", "qwen2_5_omni_thinker", "qwen3_omni_moe", "qwen3_omni_moe_thinker",
     "phi4_multimodal", "qwen2_audio",
 })  # fmt: skip
+# The kinds whose transformers class ties no weights (no `_tied_weights_keys`): the LM head is always the checkpoint's
+# own, whatever the text config says (tests/unit/test_multimodal_text_models.py checks the set against transformers).
+_HEAD_NEVER_TIED = frozenset({"qwen2_audio", "voxtral", "mllama"})
 # The vision towers LLaVA's images are served over, and the class tokens each puts before its patches' rows.
 _CLASS_TOKENS = {"clip_vision_model": 1, "siglip_vision_model": 0}
 # The kinds whose images are served as Qwen-VL's are (`multimodal.qwen_vl`: a tower over patches and their grid,
@@ -82,6 +85,8 @@ def multimodal_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], Multimo
             text[key] = cfg[key]
     tie = getattr(composite, "tie_word_embeddings", None)
     text["tie_word_embeddings"] = bool(text.get("tie_word_embeddings") if tie is None else tie)
+    if model_type in _HEAD_NEVER_TIED:
+        text["tie_word_embeddings"] = False
     text_type = str(text.get("model_type"))
     text["model_type"] = _TEXT_FAMILIES.get(text_type, text_type)
     if text_type in ("glm4v_text", "glm4v_moe_text"):  # rope over the whole head unless its parameters say less

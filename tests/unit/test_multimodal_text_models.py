@@ -121,6 +121,15 @@ WRAPPERS: dict[str, tuple[str, dict[str, Any]]] = {
 def _multimodal(kind: str) -> Any:
     """A tiny random `kind` model as transformers builds it, its text model (and LM head) drawn as the family tests
     draw theirs."""
+    config, model_class = _multimodal_config(kind)
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    _draw_text_model(model, ("vision", "visual", "multi_modal_projector", "connector", "audio", "image_newline"))
+    return model
+
+
+def _multimodal_config(kind: str, **text: Any) -> tuple[Any, Any]:
+    """A tiny `kind`'s config (`text`: its text config's keys beside the tests' shape) and transformers' class."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
@@ -129,7 +138,7 @@ def _multimodal(kind: str) -> Any:
     base = kind.partition("-")[0]
     config_name = f"{stem}Config" if stem else CONFIG_MAPPING_NAMES[base]
     model_name = f"{stem}ForConditionalGeneration" if stem else MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[base]
-    text = {**_SHAPE, **keys["text_config"]}
+    text = {**_SHAPE, **keys["text_config"], **text}
     config_class = getattr(transformers, config_name)
     shrunk = {}
     for part, sub in config_class().to_dict().items():  # a tower of the class's own kind, at the tests' width
@@ -138,10 +147,7 @@ def _multimodal(kind: str) -> Any:
             if sub.get("layer_types"):  # (a tower's kinds of layer, one a layer)
                 shrunk[part]["layer_types"] = sub["layer_types"][:1]
     config = config_class(**{**keys, **shrunk, "text_config": text})
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config).eval()
-    _draw_text_model(model, ("vision", "visual", "multi_modal_projector", "connector", "audio", "image_newline"))
-    return model
+    return config, getattr(transformers, model_name)
 
 
 def _draw_text_model(model: Any, towers: tuple[str, ...]) -> None:
@@ -187,6 +193,19 @@ def test_every_multimodal_kind_is_tested() -> None:
     """Every multimodal kind served has its case above (an omni checkpoint its thinker's, Phi-4-multimodal its own
     below)."""
     assert {kind.partition("-")[0] for kind in WRAPPERS} | set(OMNI) | {"phi4_multimodal"} == MULTIMODAL_ARCHITECTURES
+
+
+def test_the_lm_head_is_tied_exactly_where_transformers_ties_it() -> None:
+    """A text config that ties its head (`tie_word_embeddings`) ties the engine's only where transformers' multimodal
+    class ties weights at all: Qwen2-Audio's, Voxtral's and Llama 3.2 Vision's tie none, so their checkpoints' own heads
+    are read."""
+    from engine_server.hf_multimodal import multimodal_text_config
+
+    for kind in WRAPPERS:
+        cfg, model_class = _multimodal_config(kind, tie_word_embeddings=True)
+        expected = bool(model_class._tied_weights_keys) and getattr(cfg, "tie_word_embeddings", None) is not False
+        served, _ = multimodal_text_config(cfg.to_dict())
+        assert served["tie_word_embeddings"] == expected, kind
 
 
 @pytest.mark.parametrize("kind", sorted(OMNI))
