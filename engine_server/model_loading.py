@@ -331,7 +331,7 @@ def _load_vision(
     `DecoderModel`'s forward does), on every rank."""
     multimodal = source.config.multimodal
     hears = not audio_refusal(multimodal, source.path)
-    if images_refusal(multimodal, source.path, max_num_batched_tokens) and not hears:
+    if images_refusal(multimodal, source.path, max_num_batched_tokens, tp.size) and not hears:
         return None
     decoder = getattr(model, "model", None)
     if decoder is None or type(decoder).forward is not DecoderModel.forward:
@@ -356,6 +356,7 @@ def _load_vision(
         Mistral3ImageEncoder,
         TiledSiglipEncoder,
     )
+    from engine_server.multimodal.mllama import MllamaImageEncoder
     from engine_server.multimodal.qwen_vl import QwenVisionEncoder
 
     assert source.config.multimodal is not None and source.config.multimodal.images is not None
@@ -365,7 +366,7 @@ def _load_vision(
         "idefics3": TiledSiglipEncoder, "smolvlm": TiledSiglipEncoder, "llava_next": LlavaNextImageEncoder,
         "gemma3": Gemma3ImageEncoder, "aya_vision": LlavaImageEncoder, "vipllava": LlavaImageEncoder,
         "idefics2": Idefics2ImageEncoder, "deepseek_vl": DeepseekVLImageEncoder, "janus": DeepseekVLImageEncoder,
-        "deepseek_vl_hybrid": DeepseekVLHybridImageEncoder,
+        "deepseek_vl_hybrid": DeepseekVLHybridImageEncoder, "mllama": MllamaImageEncoder,
     }  # fmt: skip
     return encoders.get(kind, QwenVisionEncoder).from_checkpoint(source.path, source.lazy_weights(), dtype, device)
 
