@@ -104,7 +104,8 @@ class LoadedModel:
     state_slots: int = 0
     state_snapshots: int = 0
     # The vision encoder of a model whose images are served (`engine_server.multimodal`): pixel values to the text
-    # model's embeddings; None for every other (and under tensor parallelism, where images are not served yet).
+    # model's embeddings (Llama 3.2 Vision's: to its cross-attention layers' states, those layers with it); None for
+    # every other, and on every rank but rank 0.
     vision: ImageEncoder | None = None
 
     @property

@@ -74,7 +74,7 @@ class MultimodalInputs:
     # chunk never ends inside an image (`core.scheduler`) and the layers attend its rows again (`layers.image_blocks`).
     bidirectional: bool = False
     # Llama 3.2 Vision's (`ImageInput.cross_attention`): which of each image's tiles each prompt token's
-    # cross-attention reads, `[prompt tokens, images, max tiles]` int64 (1: read), as its processor makes it
+    # cross-attention reads, `[prompt tokens, images, max tiles]` uint8 (1: read), as its processor makes it
     # (transformers' `get_cross_attention_token_mask`, `convert_sparse_cross_attention_mask_to_dense`); None: not
     # such a prompt.
     cross_attention_mask: torch.Tensor | None = None

@@ -167,7 +167,7 @@ class CrossStep:
         stream = hidden if residual is None else hidden + residual
         pieces = []
         for part in self.rows:
-            rows = stream[part.first : part.first + part.count]
+            rows = stream[part.first : part.first + part.count].to(part.mask.dtype)  # (the layers' dtype)
             for layer, slot in self.at[position]:
                 rows = self.encoder.cross_layer(layer, rows, part.kv[slot], part.mask, part.full_rows)
             pieces.append(rows)

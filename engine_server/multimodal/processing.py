@@ -197,7 +197,7 @@ class ImageProcessing:
         mask = convert_sparse_cross_attention_mask_to_dense(
             [get_cross_attention_token_mask(ids, image_token)], [tiles], int(self.processor.max_image_tiles), len(ids)
         )  # fmt: skip
-        return ids, MultimodalInputs(tuple(spans), cross_attention_mask=torch.from_numpy(mask[0]))
+        return ids, MultimodalInputs(tuple(spans), cross_attention_mask=torch.from_numpy(mask[0]).to(torch.uint8))
 
     @staticmethod
     def _tiles(processed: Any) -> tuple[Any, tuple[int, ...] | None, int]:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from benchmarks.vl_checkpoints import save_drawn, vision_tokenizer
+from engine_server.cuda_graphs import EagerCapture
 from engine_server.errors import ValidationError
 from engine_server.frontend import ChatPrompt
 from engine_server.tokenizer.chat import ChatMessage
@@ -111,6 +112,22 @@ def test_image_prompts_answer_as_transformers_does(chunk: int, mllama: tuple[Pat
     assert [result.choices[0].token_ids for result in results] == expected
 
 
+def test_decode_graphs_replay_the_steps_without_images_alone(mllama: tuple[Path, Any]) -> None:
+    """With decode graphs (their padded path on the CPU), every step with a row of a request with images runs eagerly
+    (batched with a text prompt: no replay), a text prompt alone replays them; both answer as transformers does."""
+    folder, model = mllama
+    batch = prompts()
+    expected = [transformers_greedy(model, mllama_inputs(folder, prompt)) for prompt in batch]
+    with engine(folder) as llm:
+        llm.core.runner.capture_decode_graphs(EagerCapture())
+        replays = llm.core.runner.decode_graphs.replays
+        batched = [result.choices[0].token_ids for result in llm.chat(batch, GREEDY, use_tqdm=False)]
+        assert sum(replays.values()) == 0
+        text = llm.chat([batch[-1]], GREEDY, use_tqdm=False)[0].choices[0].token_ids
+        assert sum(replays.values()) >= len(text) - 1
+    assert batched == expected and text == expected[-1]
+
+
 def test_the_images_change_the_answer(mllama: tuple[Path, Any]) -> None:
     """The same text with another image answers otherwise (the images are read), as transformers does."""
     folder, model = mllama
@@ -134,6 +151,18 @@ def test_int8_text_layers_read_images_through_float_cross_attention(mllama: tupl
         batched = [result.choices[0].token_ids for result in llm.chat(batch, GREEDY, use_tqdm=False)]
         alone = [llm.chat([prompt], GREEDY, use_tqdm=False)[0].choices[0].token_ids for prompt in batch]
     assert batched == alone
+
+
+def test_images_are_refused_under_tensor_parallelism_and_text_still_served(mllama: tuple[Path, Any]) -> None:
+    """Over two ranks a turn with an image is refused, saying why; a text prompt answers as transformers does."""
+    folder, model = mllama
+    text = prompts()[-1]
+    with engine(folder, tensor_parallel_size=2) as llm:
+        assert llm.core.runner.cross_states is None
+        with pytest.raises(ValidationError, match="under tensor parallelism"):
+            llm.chat([prompts()[0]], GREEDY, use_tqdm=False)
+        tokens = llm.chat([text], GREEDY, use_tqdm=False)[0].choices[0].token_ids
+    assert tokens == transformers_greedy(model, mllama_inputs(folder, text))
 
 
 def test_what_is_not_served_is_refused_by_name(mllama: tuple[Path, Any], tmp_path: Path) -> None:
