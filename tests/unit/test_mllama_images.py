@@ -18,6 +18,7 @@ from benchmarks.vl_checkpoints import save_drawn, vision_tokenizer
 from engine_server.cuda_graphs import EagerCapture
 from engine_server.errors import ValidationError
 from engine_server.frontend import ChatPrompt
+from engine_server.sampling_params import SamplingParams
 from engine_server.tokenizer.chat import ChatMessage
 from tests.families import _SHAPE
 from tests.unit.test_family_engines import engine
@@ -126,6 +127,23 @@ def test_decode_graphs_replay_the_steps_without_images_alone(mllama: tuple[Path,
         text = llm.chat([batch[-1]], GREEDY, use_tqdm=False)[0].choices[0].token_ids
         assert sum(replays.values()) >= len(text) - 1
     assert batched == expected and text == expected[-1]
+
+
+def test_preempted_and_cached_image_prompts_answer_as_transformers_does(mllama: tuple[Path, Any]) -> None:
+    """Eight image prompts, 48 new tokens each, in a small KV pool, 16 tokens a step: requests are preempted and
+    recomputed (their K/V kept meanwhile), then one is served again from the prefix cache (its K/V made again, its
+    first step past the cached blocks); each answer is transformers'."""
+    folder, model = mllama
+    batch = [user("Picture", png(30 + i, (60, 30 + 10 * i)), f"number {i}: what is in it?") for i in range(8)]
+    expected = [transformers_greedy(model, mllama_inputs(folder, prompt), 48) for prompt in batch]
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    with engine(folder, chunk=16, kv_blocks=17) as llm:
+        results = llm.chat(batch, greedy, use_tqdm=False)
+        assert llm.core.scheduler.total_preemptions > 0
+        again = [llm.chat(batch[:1], greedy, use_tqdm=False)[0] for _ in range(2)][1]
+        assert llm.core.runner.cross_states is not None and llm.core.runner.cross_states.num_requests == 0
+    assert [result.choices[0].token_ids for result in results] == expected
+    assert again.usage.cached_prompt_tokens >= 16 and again.choices[0].token_ids == expected[0]
 
 
 def test_the_images_change_the_answer(mllama: tuple[Path, Any]) -> None:
