@@ -650,6 +650,7 @@ class ModelRunner:
             lora = self._lora_batch(self._adapter_slots([item.request for item in scheduled]), query_lens)
         hidden = self._run_model(input_ids, position_ids, meta, interrupt, sent=self.fan_out is not None, lora=lora)
         if self.draft is not None:
+            meta.cross_attention = None  # (the target's cross-attention layers: not the draft's)
             self.draft.follow(input_ids, position_ids, meta, hidden)
         return hidden, last_rows
 

@@ -146,6 +146,21 @@ def test_preempted_and_cached_image_prompts_answer_as_transformers_does(mllama: 
     assert again.usage.cached_prompt_tokens >= 16 and again.choices[0].token_ids == expected[0]
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_steps_read_the_images_as_decode_steps_do(method: str, mllama: tuple[Path, Any]) -> None:
+    """With drafts (n-gram ones; the checkpoint's text model as its own draft model, which follows the target's steps
+    without its cross-attention layers), the verified rows of a request with images read its images under the
+    prompt's last mask row: the answers stay transformers'."""
+    folder, model = mllama
+    batch = prompts()
+    expected = [transformers_greedy(model, mllama_inputs(folder, prompt)) for prompt in batch]
+    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": 3}
+    spec.update({"prompt_lookup_min": 1} if method == "ngram" else {"model": str(folder)})
+    with engine(folder, chunk=5, speculative_config=spec) as llm:
+        results = llm.chat(batch, GREEDY, use_tqdm=False)
+    assert [result.choices[0].token_ids for result in results] == expected
+
+
 def test_the_images_change_the_answer(mllama: tuple[Path, Any]) -> None:
     """The same text with another image answers otherwise (the images are read), as transformers does."""
     folder, model = mllama
