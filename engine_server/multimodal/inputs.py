@@ -24,8 +24,9 @@ class ImageSpan:
     (`[3, H, W]`, float32; the Qwen-VL processors' `[patches, C * T * P * P]` beside their `grid`, the image's
     (temporal, height, width) patches; LLaVA-NeXT's tiles `[n, 3, H, W]` beside its original (height, width) as its
     `grid`; Idefics 2's tiles `[n, 3, H, W]`, padded to the largest, beside each tile's own (height, width) in turn;
-    DeepSeek-VL hybrid's two square views `[3, L, L]` and `[3, H, H]` flattened one after the other, (L, H) its `grid`)
-    and the sha256 of its file's bytes (`digest`)."""
+    DeepSeek-VL hybrid's two square views `[3, L, L]` and `[3, H, H]` flattened one after the other, (L, H) its `grid`;
+    Llama 3.2 Vision's tiles `[max tiles, 3, H, W]` beside its aspect ratio id and then its aspect ratio mask, one a
+    tile, as its `grid`, its span its one image token) and the sha256 of its file's bytes (`digest`)."""
 
     offset: int
     length: int

@@ -70,8 +70,11 @@ class MllamaImageEncoder(CheckpointEncoder):
         layers' (in either layout) as `cross_layers.<index>.`; the text model's own layers passed over unread."""
         import json
 
-        layers = json.loads((folder / "config.json").read_text(encoding="utf-8"))["text_config"]
-        cross = {int(i) for i in layers.get("cross_attention_layers") or ()}
+        from transformers import CONFIG_MAPPING
+
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        text = CONFIG_MAPPING["mllama"].from_dict(config).text_config  # (its defaults where the file states none)
+        cross = {int(i) for i in text.cross_attention_layers}
         return load_encoder(cls, folder, _renamed(weights, cross), cls.parts, dtype, device)
 
     def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:

@@ -161,6 +161,33 @@ def test_speculative_steps_read_the_images_as_decode_steps_do(method: str, mllam
     assert [result.choices[0].token_ids for result in results] == expected
 
 
+def test_transformers_5_layout_reads_as_the_released_one(mllama: tuple[Path, Any], tmp_path: Path) -> None:
+    """The checkpoint's tensors under transformers 5's names (`model.language_model.`, `model.vision_model.`,
+    `model.multi_modal_projector.`, `lm_head.`) answer an image prompt as the released layout does."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder, model = mllama
+    moved = tmp_path / "moved"
+    shutil.copytree(folder, moved)
+    renames = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+               ("vision_model.", "model.vision_model."), ("multi_modal_projector.", "model.multi_modal_projector."))
+    tensors = load_file(moved / "model.safetensors")
+    renamed = {}
+    for name, tensor in tensors.items():
+        for theirs, ours in renames:
+            if name.startswith(theirs):
+                name = ours + name.removeprefix(theirs)
+                break
+        renamed[name] = tensor
+    save_file(renamed, moved / "model.safetensors", metadata={"format": "pt"})
+    prompt = prompts()[2]
+    with engine(moved) as llm:
+        tokens = llm.chat([prompt], GREEDY, use_tqdm=False)[0].choices[0].token_ids
+    assert tokens == transformers_greedy(model, mllama_inputs(folder, prompt))
+
+
 def test_the_images_change_the_answer(mllama: tuple[Path, Any]) -> None:
     """The same text with another image answers otherwise (the images are read), as transformers does."""
     folder, model = mllama
