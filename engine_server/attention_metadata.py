@@ -33,6 +33,7 @@ from ladle_kernels.reference import FP8_KV_DTYPE, FP8_KV_SCALE_BYTES
 
 if TYPE_CHECKING:
     from engine_server.core.scheduler_output import StateCopies
+    from engine_server.layers.cross_attention import CrossAttention
     from engine_server.layers.image_blocks import ImageBlock
 
 
@@ -108,6 +109,10 @@ class AttentionMetadata:
     mrope_positions: torch.Tensor | None = None
     # ... and images whose tokens attend both ways (Gemma 3's), the step's (`layers.image_blocks`); None: none.
     image_blocks: list[ImageBlock] | None = None
+    # ... and Llama 3.2 Vision's cross-attention layers over its images, the step's rows of requests with images
+    # (`multimodal.mllama.CrossStep`), run between the text model's layers; None: none (rank 0 alone: its images are
+    # not served under tensor parallelism).
+    cross_attention: CrossAttention | None = None
     # The image rows and M-RoPE positions as the host built them, as `host_block_tables` (the step channel's).
     host_image_rows: torch.Tensor | None = None
     host_mrope_positions: torch.Tensor | None = None

@@ -40,13 +40,14 @@ class ImageInput:
     resampler, `extra_tokens` latents a tile; "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe" and the GLM-4.xV
     kinds, their towers over a processed image's patches, merged `merge_size` x `merge_size`; "deepseek_vl" and
     "janus", their tower's last hidden states through their aligner, `extra_tokens` tokens an image;
-    "deepseek_vl_hybrid", the same beside its SAM tower's of the image's high-resolution view), and the placeholder
-    token its chat template writes once per image (`image_token_id`), expanded to the image's tokens: LLaVA's one per
-    patch of `patch_size` squares plus `extra_tokens` (the tower's class token, unless the projector drops it: -1 to
-    1; InternVL's and Idefics 2's `extra_tokens` a tile), the Qwen-VL towers' one per merged patch. With
-    `mrope_section` (the Qwen-VL text models' M-RoPE: rotated pairs turned by the temporal, height and width position)
-    an image's tokens take 3-D positions and the text after them goes on from the largest
-    (`multimodal.inputs.MultimodalInputs.positions`)."""
+    "deepseek_vl_hybrid", the same beside its SAM tower's of the image's high-resolution view; "mllama", Llama 3.2
+    Vision's tiles through its tower and projector to its cross-attention layers, `cross_attention`), and the
+    placeholder token its chat template writes once per image (`image_token_id`), expanded to the image's tokens (Llama
+    3.2 Vision's not: one token): LLaVA's one per patch of `patch_size` squares plus `extra_tokens` (the tower's class
+    token, unless the projector drops it: -1 to 1; InternVL's and Idefics 2's `extra_tokens` a tile), the Qwen-VL
+    towers' one per merged patch. With `mrope_section` (the Qwen-VL text models' M-RoPE: rotated pairs turned by the
+    temporal, height and width position) an image's tokens take 3-D positions and the text after them goes on from the
+    largest (`multimodal.inputs.MultimodalInputs.positions`)."""
 
     encoder: str
     image_token_id: int
@@ -76,6 +77,11 @@ class ImageInput:
     # Aya Vision's: the chat template's placeholder where it is not the image token (`<image>`, expanded by its
     # processor into tiles of `<|IMG_PATCH|>` tokens, the image token).
     placeholder: str | None = None
+    # Llama 3.2 Vision's ("mllama"): the image token stays one token (its own embedding); the request's images' tiles
+    # go through the tower and projector to the text model's cross-attention layers (`MultimodalCheckpoint.
+    # dropped_layers`, by checkpoint index), which its tokens attend as its processor's cross-attention mask says
+    # (`multimodal.mllama`).
+    cross_attention: bool = False
 
     def tokens_per_image(self, height: int, width: int) -> int:
         """Placeholder tokens of an image processed to `height` x `width` pixels (LLaVA's processor's count)."""

@@ -11,12 +11,14 @@ model's config (`text_config`) is read as the family's own, under the embedding 
 transformers ties the LM head by). The towers and projectors beside the text model are read only where images are
 served (`engine_server.multimodal`, `MultimodalCheckpoint.images`: LLaVA, LLaVA-NeXT, ViP-LLaVA, Aya Vision, Gemma 3,
 Mistral 3, InternVL, Idefics 2, Idefics 3, SmolVLM, DeepSeek-VL and its hybrid, Janus (its understanding path), the
-Qwen-VL and GLM-4.xV kinds; `MultimodalCheckpoint.audio`: Qwen2-Audio); the other kinds serve text prompts, and a turn
-with an image or an audio clip is refused by name.
+Qwen-VL and GLM-4.xV kinds, Llama 3.2 Vision (its tower, projector and cross-attention layers);
+`MultimodalCheckpoint.audio`: Qwen2-Audio); the other kinds serve text prompts, and a turn with an image or an audio
+clip is refused by name.
 
 A text prompt takes the text model alone in each of these: the M-RoPE of the Qwen-VL and GLM-V families turns a text
 token's three position components, all its one position, as plain rope does; Llama 3.2 Vision skips its
-cross-attention layers without an image (`MultimodalCheckpoint.dropped_layers`), its head the first `vocab_size` rows
+cross-attention layers without an image (`MultimodalCheckpoint.dropped_layers`; a prompt with images runs them beside
+the text model, `multimodal.mllama`), its head the first `vocab_size` rows
 of an embedding 8 rows longer.
 """
 
@@ -112,7 +114,11 @@ def _image_input(composite: Any) -> ImageInput | None:
     Gemma 3's; Mistral 3's over Pixtral; InternVL's, Idefics 3's and SmolVLM's tiles; Idefics 2's (its perceiver's
     `resampler_n_latents` tokens a tile); DeepSeek-VL's, its hybrid's and Janus's (a fixed count an image); the Qwen-VL
     kinds' (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE; GLM-4.1V, 4.5V and 4.6V), their text model's M-RoPE sections
-    (Qwen3-VL's interleaved) and Qwen3-VL's DeepStack layers. None for every other kind (text prompts alone)."""
+    (Qwen3-VL's interleaved) and Qwen3-VL's DeepStack layers; Llama 3.2 Vision's (its image token one token, its
+    images read by its cross-attention layers). None for every other kind (text prompts alone)."""
+    if composite.model_type == "mllama":
+        return ImageInput("mllama", int(composite.image_token_index), int(composite.vision_config.patch_size),
+                          cross_attention=True)  # fmt: skip
     if composite.model_type in _QWEN_VL:
         vision = composite.vision_config
         rope = composite.get_text_config(decoder=True).rope_parameters or {}

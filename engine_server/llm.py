@@ -105,7 +105,8 @@ class LLM:
             )
         )
         images, refusal = served_images(
-            source.config.multimodal, source.path, self.tokenizer, self.config.scheduler.max_num_batched_tokens
+            source.config.multimodal, source.path, self.tokenizer, self.config.scheduler.max_num_batched_tokens,
+            self.config.tensor_parallel_size,
         )  # fmt: skip
         audio, audio_refusal = served_audio(source.config.multimodal, source.path, self.tokenizer)
         self.inputs = InputProcessor(

@@ -104,7 +104,8 @@ class LoadedModel:
     state_slots: int = 0
     state_snapshots: int = 0
     # The vision encoder of a model whose images are served (`engine_server.multimodal`): pixel values to the text
-    # model's embeddings; None for every other (and under tensor parallelism, where images are not served yet).
+    # model's embeddings (Llama 3.2 Vision's: to its cross-attention layers' states, those layers with it); None for
+    # every other, and on every rank but rank 0.
     vision: ImageEncoder | None = None
 
     @property
@@ -331,7 +332,7 @@ def _load_vision(
     `DecoderModel`'s forward does), on every rank."""
     multimodal = source.config.multimodal
     hears = not audio_refusal(multimodal, source.path)
-    if images_refusal(multimodal, source.path, max_num_batched_tokens) and not hears:
+    if images_refusal(multimodal, source.path, max_num_batched_tokens, tp.size) and not hears:
         return None
     decoder = getattr(model, "model", None)
     if decoder is None or type(decoder).forward is not DecoderModel.forward:
@@ -356,6 +357,7 @@ def _load_vision(
         Mistral3ImageEncoder,
         TiledSiglipEncoder,
     )
+    from engine_server.multimodal.mllama import MllamaImageEncoder
     from engine_server.multimodal.qwen_vl import QwenVisionEncoder
 
     assert source.config.multimodal is not None and source.config.multimodal.images is not None
@@ -366,7 +368,7 @@ def _load_vision(
         "llava_next_video": LlavaNextImageEncoder,
         "gemma3": Gemma3ImageEncoder, "aya_vision": LlavaImageEncoder, "vipllava": LlavaImageEncoder,
         "idefics2": Idefics2ImageEncoder, "deepseek_vl": DeepseekVLImageEncoder, "janus": DeepseekVLImageEncoder,
-        "deepseek_vl_hybrid": DeepseekVLHybridImageEncoder,
+        "deepseek_vl_hybrid": DeepseekVLHybridImageEncoder, "mllama": MllamaImageEncoder,
     }  # fmt: skip
     return encoders.get(kind, QwenVisionEncoder).from_checkpoint(source.path, source.lazy_weights(), dtype, device)
 

@@ -31,6 +31,7 @@ from engine_server.lora.slots import LoraBatch
 from engine_server.model_loading import LoadedModel, capture_decode_graphs
 from engine_server.models import BertEncoder
 from engine_server.multimodal.features import ImageFeatures, step_image_blocks, step_mrope_positions
+from engine_server.multimodal.mllama import CrossStates, MllamaImageEncoder
 from engine_server.parallel.step_channel import PendingTokens, StepSender
 from engine_server.pooling.pooler import Pooler
 from engine_server.sampling import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenLogprobs
@@ -236,10 +237,19 @@ class ModelRunner:
         self.draft = loaded.draft  # speculative decoding's draft model, when configured
         self.decode_graphs = loaded.decode_graphs
         self.lora_slots = loaded.lora_slots  # the LoRA adapters' slot weights (None: the engine serves no adapter)
-        # The running requests' images as the text model's embeddings (None: the model reads no images).
+        # The running requests' images as the text model's embeddings (None: the model reads no images, or reads
+        # them through cross-attention layers: `cross_states`).
+        multimodal = loaded.model_config.multimodal
+        cross = multimodal is not None and multimodal.images is not None and multimodal.images.cross_attention
         self.image_features = (
-            None if loaded.vision is None else ImageFeatures(loaded.vision, loaded.device, loaded.dtype)
+            None if loaded.vision is None or cross else ImageFeatures(loaded.vision, loaded.device, loaded.dtype)
         )
+        # Llama 3.2 Vision's: the running requests' images' K/V for its cross-attention layers; a step with a row of
+        # a request with images runs eagerly, those layers between the text model's (`multimodal.mllama`).
+        self.cross_states: CrossStates | None = None
+        if cross and loaded.vision is not None:
+            assert isinstance(loaded.vision, MllamaImageEncoder) and multimodal is not None
+            self.cross_states = CrossStates(loaded.vision, multimodal.dropped_layers, loaded.device, loaded.dtype)
         # Requests whose outputs turn by their index plus a delta (M-RoPE after images: `MultimodalInputs`), whose
         # decode rows' positions are shifted so (`_position_shifts`): filled as their prompts run.
         self._shifted_rope: set[str] = set()
@@ -277,6 +287,8 @@ class ModelRunner:
         if self.image_features is not None:
             self.image_features.release(request_id)
             self._shifted_rope.discard(request_id)
+        if self.cross_states is not None:
+            self.cross_states.release(request_id)
 
     @torch.inference_mode()
     def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -516,6 +528,8 @@ class ModelRunner:
         """Hidden states of the step's tokens `[T, hidden]` and, per scheduled request, the row of its last token
         (None for a decode step, where row i is request i's)."""
         steady = output.steady
+        if steady is not None and self.cross_states is not None and self._has_images(steady.requests):
+            steady = None  # (its rows as a list: a row with images runs eagerly, below)
         if steady is not None:
             layout, continues = self._decode_rows.layout_columns(steady.requests, steady.tables, steady.starts)
         else:
@@ -604,6 +618,9 @@ class ModelRunner:
             query_lens, seq_lens, [item.block_ids for item in scheduled], self.block_size, self.device
         )
         meta.last_rows_only = last_rows_only and self.draft is None
+        if self.cross_states is not None:
+            chunks = [(item.request, item.start_position, item.num_new_tokens) for item in scheduled]
+            meta.cross_attention = self.cross_states.step(chunks)
         if self.image_features is not None:
             chunks = [(item.request, item.start_position, item.num_new_tokens) for item in scheduled]
             image_rows = self.image_features.step_rows(chunks)
@@ -633,6 +650,7 @@ class ModelRunner:
             lora = self._lora_batch(self._adapter_slots([item.request for item in scheduled]), query_lens)
         hidden = self._run_model(input_ids, position_ids, meta, interrupt, sent=self.fan_out is not None, lora=lora)
         if self.draft is not None:
+            meta.cross_attention = None  # (the target's cross-attention layers: not the draft's)
             self.draft.follow(input_ids, position_ids, meta, hidden)
         return hidden, last_rows
 
@@ -649,10 +667,17 @@ class ModelRunner:
     def _reaches_images(self, scheduled: list[ScheduledRequest]) -> bool:
         """Whether a step of one-token rows computes a prompt token of a request with images (a prefill's last
         token alone, or a chunk the token budget cut to one), which takes the eager path and its image rows."""
+        if self.cross_states is not None:  # (Llama 3.2 Vision's: its decode tokens read the images too)
+            return self._has_images([item.request for item in scheduled])
         return self.image_features is not None and any(
             item.request.multimodal is not None and item.start_position < item.request.num_prompt_tokens
             for item in scheduled
         )
+
+    @staticmethod
+    def _has_images(requests: Sequence[Request]) -> bool:
+        """Whether a request of `requests` has images."""
+        return any(request.multimodal is not None for request in requests)
 
     def _run_model(
         self,

@@ -561,7 +561,8 @@ class DecoderModel(nn.Module):
             hidden = hidden.index_copy(0, rows, embeds[:, :width].to(hidden.dtype))
             deepstack = [embeds[:, width * (i + 1) : width * (i + 2)] for i in range(self.deepstack_layers)]
         # (Not with M-RoPE's table, DeepStack's adds or images attended both ways: the layers do those.)
-        plain = meta.mrope_positions is None and not deepstack and not meta.image_blocks
+        cross = meta.cross_attention
+        plain = meta.mrope_positions is None and not deepstack and not meta.image_blocks and cross is None
         stack = self.decode_stack if plain else None
         if stack is not None and (lora is None or lora.weights is self.decode_stack_lora):
             # Prompt tokens go in as decode rows of their own (`token_rows`), as the layers' attention takes them.
@@ -586,6 +587,8 @@ class DecoderModel(nn.Module):
             zip(self.layers, kv_caches, self.local_rope_layers, strict=True)
         ):
             table = local if reads_local else cos_sin
+            if cross is not None and index in cross.positions:  # (Llama 3.2 Vision's cross-attention layers)
+                hidden, residual = cross.apply(index, hidden, residual)
             hidden, residual = layer(rope_rows, hidden, residual, kv_cache, table, meta, ops, lora)
             if index < len(deepstack):  # DeepStack: the layer's output, summed, plus the images' features there
                 assert meta.image_embeds is not None and residual is not None
@@ -594,5 +597,7 @@ class DecoderModel(nn.Module):
             if interrupt is not None and interrupt.is_set():
                 raise StepInterrupted
         assert residual is not None, "a model has at least one layer"
+        if cross is not None and len(self.layers) in cross.positions:  # (a cross-attention layer after the last)
+            hidden, residual = cross.apply(len(self.layers), hidden, residual)
         hidden, _ = self.norm.add_and_norm(hidden, residual, ops)
         return hidden

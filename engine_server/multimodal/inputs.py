@@ -24,8 +24,9 @@ class ImageSpan:
     (`[3, H, W]`, float32; the Qwen-VL processors' `[patches, C * T * P * P]` beside their `grid`, the image's
     (temporal, height, width) patches; LLaVA-NeXT's tiles `[n, 3, H, W]` beside its original (height, width) as its
     `grid`; Idefics 2's tiles `[n, 3, H, W]`, padded to the largest, beside each tile's own (height, width) in turn;
-    DeepSeek-VL hybrid's two square views `[3, L, L]` and `[3, H, H]` flattened one after the other, (L, H) its `grid`)
-    and the sha256 of its file's bytes (`digest`)."""
+    DeepSeek-VL hybrid's two square views `[3, L, L]` and `[3, H, H]` flattened one after the other, (L, H) its `grid`;
+    Llama 3.2 Vision's tiles `[max tiles, 3, H, W]` beside its aspect ratio id and then its aspect ratio mask, one a
+    tile, as its `grid`, its span its one image token) and the sha256 of its file's bytes (`digest`)."""
 
     offset: int
     length: int
@@ -73,6 +74,18 @@ class MultimodalInputs:
     # Gemma 3's: an image's tokens attend to each other both ways (each to its image's later tokens too), so a prefill
     # chunk never ends inside an image (`core.scheduler`) and the layers attend its rows again (`layers.image_blocks`).
     bidirectional: bool = False
+    # Llama 3.2 Vision's (`ImageInput.cross_attention`): which of each image's tiles each prompt token's
+    # cross-attention reads, `[prompt tokens, images, max tiles]` uint8 (1: read), as its processor makes it
+    # (transformers' `get_cross_attention_token_mask`, `convert_sparse_cross_attention_mask_to_dense`); None: not
+    # such a prompt.
+    cross_attention_mask: torch.Tensor | None = None
+
+    def cross_mask_rows(self, start: int, count: int) -> torch.Tensor:
+        """`cross_attention_mask`'s rows of positions `[start, start + count)`, a position past the prompt's (an
+        output token) the prompt's last token's row, as transformers' generation extends it."""
+        assert self.cross_attention_mask is not None, "a prompt read by cross-attention has its mask"
+        last = self.cross_attention_mask.shape[0] - 1
+        return self.cross_attention_mask[torch.arange(start, start + count).clamp(max=last)]
 
     def image_ends(self, start: int, end: int) -> int:
         """Where a chunk `[start, end)` of a bidirectional prompt may end: `end`, unless it would cut an image; then

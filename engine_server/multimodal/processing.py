@@ -116,6 +116,8 @@ class ImageProcessing:
         image_token = self.spec.image_token_id
         if self.spec.text_marks is not None or self.spec.encoder in _TEXT_LAYOUTS:
             return self._prepare_expanded(token_ids, images)
+        if self.spec.cross_attention:
+            return self._prepare_cross(token_ids, images)
         placeholder = image_token
         if self.spec.placeholder is not None:
             placeholder = int(self.layout.tokenizer.convert_tokens_to_ids(self.spec.placeholder))
@@ -165,6 +167,37 @@ class ImageProcessing:
             inner = tuple((offset - start, count) for offset, _ in group) if tiles > 1 else ()
             spans.append(ImageSpan(start, end - start, pixels, image_digest(image.data), grid, inner))
         return list(token_ids), MultimodalInputs(tuple(spans), bidirectional=self.spec.bidirectional)
+
+    def _prepare_cross(
+        self, token_ids: Sequence[int], images: Sequence[PromptImage]
+    ) -> tuple[list[int], MultimodalInputs]:
+        """`prepare` of Llama 3.2 Vision's prompt: each image's token stays one token (its span, no rows of its own:
+        `ImageSpan.num_features` is not read), its pixels its tiles `[max tiles, 3, H, W]` as its processor pads them,
+        its grid (aspect ratio id, then the processor's aspect ratio mask, one a tile); the prompt's
+        cross-attention mask its processor's (`MultimodalInputs.cross_attention_mask`)."""
+        from transformers.models.mllama.processing_mllama import (
+            convert_sparse_cross_attention_mask_to_dense,
+            get_cross_attention_token_mask,
+        )
+
+        image_token = self.spec.image_token_id
+        places = [i for i, token in enumerate(token_ids) if token == image_token]
+        if len(places) != len(images):
+            raise ValidationError(
+                f"the prompt holds {len(places)} image placeholders for {len(images)} images: a message's text may "
+                "not spell the model's image token itself", "messages",
+            )  # fmt: skip
+        spans, tiles = [], []
+        for place, image in zip(places, images, strict=True):
+            processed = self._processed(image)
+            grid = (int(processed["aspect_ratio_ids"][0][0]), *(int(m) for m in processed["aspect_ratio_mask"][0][0]))
+            spans.append(ImageSpan(place, 1, processed["pixel_values"][0][0], image_digest(image.data), grid))
+            tiles.append(int(processed["num_tiles"][0][0]))
+        ids = list(token_ids)
+        mask = convert_sparse_cross_attention_mask_to_dense(
+            [get_cross_attention_token_mask(ids, image_token)], [tiles], int(self.processor.max_image_tiles), len(ids)
+        )  # fmt: skip
+        return ids, MultimodalInputs(tuple(spans), cross_attention_mask=torch.from_numpy(mask[0]).to(torch.uint8))
 
     @staticmethod
     def _tiles(processed: Any) -> tuple[Any, tuple[int, ...] | None, int]:
@@ -264,6 +297,8 @@ class ImageProcessing:
             return self.processor(images=[[rgb]], return_tensors="pt", do_pad=True)
         if self.spec.split_rows:  # (Idefics 3's and SmolVLM's: with its rows and columns of tiles)
             return self.processor(images=[[rgb]], return_tensors="pt", return_row_col_info=True)
+        if self.spec.cross_attention:  # (Llama 3.2 Vision's: its tiles, aspect ratio ids and mask, their count)
+            return self.processor(images=[[rgb]], return_tensors="pt")
         if self.spec.tiles:  # (InternVL's: tiles and a thumbnail, as its processor asks)
             return self.processor(images=[rgb], return_tensors="pt", crop_to_patches=True)
         if self.row_marks is not None:  # (Pixtral's: sized to whole merged patches, as Mistral 3's processor asks)
@@ -331,22 +366,25 @@ def _mark_ids(marks: tuple[str, str] | None, tokenizer: Any, folder: Path) -> tu
 
 def served_images(
     multimodal: MultimodalCheckpoint | None, folder: Path, tokenizer: Any = None,
-    max_num_batched_tokens: int | None = None,
+    max_num_batched_tokens: int | None = None, tensor_parallel_size: int = 1,
 ) -> tuple[ImageProcessing | None, str]:  # fmt: skip
     """How the model in `folder` (its `ModelConfig.multimodal`; its `tokenizer`) reads images on an engine whose steps
-    take at most `max_num_batched_tokens`, and the refusal of a turn with an image where it reads none
-    (`images_refusal`)."""
-    refusal = images_refusal(multimodal, folder, max_num_batched_tokens)
+    take at most `max_num_batched_tokens` over `tensor_parallel_size` ranks, and the refusal of a turn with an image
+    where it reads none (`images_refusal`)."""
+    refusal = images_refusal(multimodal, folder, max_num_batched_tokens, tensor_parallel_size)
     if refusal or multimodal is None or multimodal.images is None:
         return None, refusal
     return ImageProcessing.for_model(multimodal.images, folder, tokenizer), ""
 
 
 def images_refusal(
-    multimodal: MultimodalCheckpoint | None, folder: Path, max_num_batched_tokens: int | None = None
-) -> str:
+    multimodal: MultimodalCheckpoint | None, folder: Path, max_num_batched_tokens: int | None = None,
+    tensor_parallel_size: int = 1,
+) -> str:  # fmt: skip
     """Why the model in `folder` reads no images on an engine whose steps take at most `max_num_batched_tokens` (None:
-    no cap); "" where it reads them (then its vision encoder loads on rank 0: `engine_server.model_loading`)."""
+    no cap) over `tensor_parallel_size` ranks; "" where it reads them (then its vision encoder loads on rank 0:
+    `engine_server.model_loading`). Llama 3.2 Vision's are read on one rank alone (its cross-attention layers run on
+    rank 0's), from a float checkpoint (its cross-attention layers stored as transformers stores them)."""
     if multimodal is None:
         return "this model reads no images; send text alone"
     if multimodal.images is None:
@@ -354,7 +392,26 @@ def images_refusal(
     if not (folder / _PROCESSOR_CONFIG).is_file():
         return f"this checkpoint has no image processor ({_PROCESSOR_CONFIG}) to read images with; send text alone"
     images = multimodal.images
+    if images.cross_attention and tensor_parallel_size > 1:
+        return (f"images are not served for {multimodal.model_type} (Llama 3.2 Vision) checkpoints under tensor "
+                "parallelism (its cross-attention layers run on one rank; other kinds' images are served under it); "
+                "serve it on one rank, or send text alone")  # fmt: skip
+    if images.cross_attention and _stored_quantized(folder):
+        return (f"images are served for float {multimodal.model_type} (Llama 3.2 Vision) checkpoints only: this one "
+                "stores its weights quantized (quantization_config), its cross-attention layers too; send text alone")
     if images.bidirectional and max_num_batched_tokens is not None and max_num_batched_tokens < images.extra_tokens:
         return (f"an image's {images.extra_tokens} tokens run in one step on this model, more than this engine's "
                 f"--max-num-batched-tokens {max_num_batched_tokens}; send text alone, or raise it")  # fmt: skip
     return ""
+
+
+def _stored_quantized(folder: Path) -> bool:
+    """Whether the checkpoint in `folder` stores its weights quantized (its `config.json` states a
+    `quantization_config`, at the top or in its text model's)."""
+    import json
+
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return "quantization_config" in config or "quantization_config" in (config.get("text_config") or {})

@@ -242,7 +242,7 @@ class ServingEngine:
             source.path, source.config.hidden_size, source.config.encoder, source.config.num_labels == 1
         )
         max_step = config.scheduler.max_num_batched_tokens
-        images = served_images(source.config.multimodal, source.path, tokenizer, max_step)
+        images = served_images(source.config.multimodal, source.path, tokenizer, max_step, config.tensor_parallel_size)
         audio = served_audio(source.config.multimodal, source.path, tokenizer)
         return cls(
             core, tokenizer, source.name, eos, loop, grammar_config, generation_defaults=defaults, pooling=pooling,
