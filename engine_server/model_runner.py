@@ -582,7 +582,7 @@ class ModelRunner:
         positions = to_device(host_positions, self.device)
         hidden = self._run_model(input_ids, positions, meta, interrupt, sent=self.fan_out is not None, lora=lora)
         if self.draft is not None:
-            self.draft.follow(input_ids, positions, meta, hidden)
+            self._follow_draft(input_ids, positions, meta, hidden)
         return hidden, None
 
     def _forward_eager(
@@ -650,9 +650,23 @@ class ModelRunner:
             lora = self._lora_batch(self._adapter_slots([item.request for item in scheduled]), query_lens)
         hidden = self._run_model(input_ids, position_ids, meta, interrupt, sent=self.fan_out is not None, lora=lora)
         if self.draft is not None:
-            meta.cross_attention = None  # (the target's cross-attention layers: not the draft's)
-            self.draft.follow(input_ids, position_ids, meta, hidden)
+            self._follow_draft(input_ids, position_ids, meta, hidden)
         return hidden, last_rows
+
+    def _follow_draft(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor
+    ) -> None:
+        """The target's step (run already: `meta` is not read again) through the draft model, as a text model reads
+        it: without the target's images (their rows, M-RoPE's positions, two-way blocks, Llama 3.2 Vision's
+        cross-attention), at its tokens' own positions where the target's were shifted (M-RoPE's delta), as the
+        draft's own proposals read them. A draft reads an image's placeholders as the tokens they are; the target
+        verifies what it drafts."""
+        assert self.draft is not None
+        if meta.mrope_positions is not None or self._shifted_rope:
+            positions = torch.cat([torch.arange(seq - query, seq) for query, seq in
+                                   zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)]).to(positions.device)
+        meta.image_embeds = meta.mrope_positions = meta.image_blocks = meta.cross_attention = None
+        self.draft.follow(input_ids, positions, meta, hidden)
 
     def _position_shifts(self, requests: list[Request]) -> np.ndarray[Any, np.dtype[np.int64]] | None:
         """Each decode row's rope position past its token's index (`_shifted_rope`'s delta, else 0); None for none."""

@@ -1127,3 +1127,23 @@ def test_images_are_read_under_tensor_parallelism_as_on_one_rank(kind: str, tmp_
         replays = llm.core.runner.decode_graphs.replays
     assert [result.choices[0].token_ids for result in results] == expected
     assert sum(replays.values()) >= NEW_TOKENS - 1
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "gemma3"])
+def test_a_text_draft_model_drafts_for_image_prompts(kind: str, tmp_path: Path) -> None:
+    """Speculative decoding with a draft model that reads no images (a small Llama of the same tokenizer): the draft
+    follows the target's steps as text (no image rows, M-RoPE positions or two-way blocks; its tokens' own positions),
+    and the target's answers stay transformers'."""
+    from tests.families import save_family
+
+    if kind == "gemma3":
+        model, inputs_of = save_gemma3(tmp_path / kind), gemma3_inputs
+    else:
+        model, inputs_of = save_qwen_vl(tmp_path / kind, kind), qwen_inputs
+    draft = save_family(tmp_path / "draft", "llama")
+    prompts = image_prompts()
+    expected = [transformers_greedy(model, inputs_of(tmp_path / kind, prompt)) for prompt in prompts]
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": str(draft)}
+    with engine(tmp_path / kind, chunk=20, speculative_config=spec) as llm:
+        results = llm.chat(prompts, GREEDY, use_tqdm=False)
+    assert [result.choices[0].token_ids for result in results] == expected
