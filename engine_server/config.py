@@ -1331,6 +1331,10 @@ class SchedulerConfig:
     # configured target, for the prefill beside every row); 0: no cap.
     batch_step_target_s: float | None = None
     batch_min_prefill_chunk: int = 64
+    # Llama 3.2 Vision's images: their cross-attention K/V are kept per running request beside the KV cache (~210 MB
+    # an image for the 11B model in bfloat16); a request with images starts only while the running ones hold at most
+    # this many images with its own, or alone (`core.scheduler`). 0: no cap.
+    max_cross_attention_images: int = 8
 
 
 SpeculativeMethod = Literal["ngram", "suffix", "draft_model"]

@@ -141,6 +141,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--shutdown-timeout", 30.0, "seconds in-flight requests get to finish after SIGTERM", type=float)
     _add(parser, "--max-num-seqs", 128, "most sequences generated at once", type=int)
     _add(parser, "--max-waiting", 4096, "most queued requests; beyond it new ones get RESOURCE_EXHAUSTED", type=int)
+    _add(parser, "--max-cross-attention-images", 8, "Llama 3.2 Vision: most images whose cross-attention K/V the "
+         "running requests hold (~210 MB an image at 11B in bf16); a request past it waits, one alone always runs "
+         "(0: no cap)", type=int)
     _add(parser, "--kv-cache-mib", 2048, "KV cache memory in MiB", type=int)
     _add(parser, "--kv-cache-dtype", "auto", "what the KV cache stores: auto (the model's dtype) or fp8 (e4m3 with a "
          "float32 scale per token and KV head: about half a 16-bit cache's bytes, a quarter of float32's, so as many "
@@ -371,6 +374,7 @@ def _engine(args: argparse.Namespace) -> int:
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
                 max_waiting=args.max_waiting,
+                max_cross_attention_images=args.max_cross_attention_images,
                 batch_step_target_s=args.batch_step_target,
             ),
         ),

@@ -736,6 +736,8 @@ class Scheduler:
                     if request.num_tokens > budget:
                         return budget  # an encoder's input runs whole: it waits for a step with room for all of it
                     num_new = request.num_tokens
+                if not self._cross_images_fit(request):
+                    return budget  # its images' cross-attention K/V would pass the cap: it waits, in its place
                 if request.lora is not None and not self._take_adapter_slot(request):
                     return budget  # every slot serves another adapter's running requests: it waits, in its place
                 blocks = self.kv_cache.allocate_slots(request, num_new, cached_blocks)
@@ -810,6 +812,18 @@ class Scheduler:
         if needs_sample:
             request.num_pending_tokens += 1  # until update_from_output brings its token
         return ScheduledRequest(request, start, num_new, blocks, needs_sample, num_cached)
+
+    def _cross_images_fit(self, request: Request) -> bool:
+        """Whether a request whose images feed cross-attention layers (Llama 3.2 Vision's, which keep their K/V per
+        running request) may start: its images and the running such requests' within `max_cross_attention_images`,
+        or none running (one request alone always may). True for every other request."""
+        cap = self.config.max_cross_attention_images
+        images = request.multimodal
+        if cap <= 0 or images is None or images.cross_attention_mask is None:
+            return True
+        held = sum(len(r.multimodal.images) for r in self._running
+                   if r.multimodal is not None and r.multimodal.cross_attention_mask is not None)  # fmt: skip
+        return held == 0 or held + len(images.images) <= cap
 
     def _take_adapter_slot(self, request: Request) -> bool:
         """Give an adapter's request its adapter's slot; False when none is free (`AdapterSlots.acquire`)."""

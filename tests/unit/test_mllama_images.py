@@ -246,3 +246,32 @@ def test_what_is_not_served_is_refused_by_name(mllama: tuple[Path, Any], tmp_pat
     assert "stores its weights quantized" in images_refusal(config.multimodal, stored)
     with engine(folder) as llm, pytest.raises(ValidationError, match="2 image placeholders for 1"):
         llm.chat([user("An <|image|> here:", png(1))], GREEDY, use_tqdm=False)
+
+
+def test_the_images_held_at_once_stay_within_the_cap(mllama: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`max_cross_attention_images` 2: the running requests never hold more images' K/V than that; requests past it
+    wait their turn (a request alone always runs) and every answer is transformers'."""
+    from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine_server.llm import LLM
+    from engine_server.multimodal.mllama import CrossStates
+
+    folder, model = mllama
+    batch = prompts()
+    expected = [transformers_greedy(model, mllama_inputs(folder, prompt)) for prompt in batch]
+    held: list[int] = []
+    step = CrossStates.step
+
+    def counted(self: CrossStates, chunks: Any) -> Any:
+        out = step(self, chunks)
+        held.append(sum(len(request.multimodal.images) for request, _, _ in chunks
+                        if request.multimodal is not None))  # fmt: skip
+        return out
+
+    monkeypatch.setattr(CrossStates, "step", counted)
+    config = EngineConfig(model=str(folder), device="cpu", quantization="none",
+                          cache=CacheConfig(memory_bytes=64 * 1024**2),
+                          scheduler=SchedulerConfig(max_cross_attention_images=2))  # fmt: skip
+    with LLM(config=config) as llm:
+        results = llm.chat(batch, GREEDY, use_tqdm=False)
+    assert [result.choices[0].token_ids for result in results] == expected
+    assert max(held) == 2  # (the two one-image requests together, then each two-image one alone; 6 without the cap)
