@@ -24,7 +24,8 @@ class ImageSpan:
     (`[3, H, W]`, float32; the Qwen-VL processors' `[patches, C * T * P * P]` beside their `grid`, the image's
     (temporal, height, width) patches; LLaVA-NeXT's tiles `[n, 3, H, W]` beside its original (height, width) as its
     `grid`; Idefics 2's tiles `[n, 3, H, W]`, padded to the largest, beside each tile's own (height, width) in turn;
-    DeepSeek-VL hybrid's two square views `[3, L, L]` and `[3, H, H]` flattened one after the other, (L, H) its `grid`)
+    DeepSeek-VL hybrid's two square views `[3, L, L]` and `[3, H, H]` flattened one after the other, (L, H) its `grid`;
+    an audio clip's log-mel windows `[windows, mel bins, frames]` beside each window's valid frames: `multimodal.audio`)
     and the sha256 of its file's bytes (`digest`)."""
 
     offset: int

@@ -87,6 +87,9 @@ WRAPPERS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_audio": ("Qwen2Audio", {"text_config": _QWEN2, "audio_config": {
         "d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 64, "num_mel_bins": 16,
         "max_source_positions": 8}}),
+    "audioflamingo3": ("AudioFlamingo3", {"text_config": _QWEN2, "audio_config": {
+        "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+        "num_mel_bins": 16, "max_source_positions": 8}}),
     "idefics2": ("Idefics2", {"text_config": {"model_type": "mistral", "head_dim": 16}, "vision_config": _SIGLIP,
                               "perceiver_config": {"hidden_size": 64, "resampler_n_latents": 4,
                                                    "resampler_depth": 1, "resampler_n_heads": 2,
