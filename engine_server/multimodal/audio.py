@@ -5,7 +5,8 @@
 `AudioProcessing.prepare` takes the prompt's token ids, in which the chat template wrote the audio token once per clip
 (Qwen2-Audio's `<|AUDIO|>`, Audio Flamingo 3's `<sound>`), and the clips' encoded files in the same order: each file
 is decoded (soundfile: WAV, FLAC, OGG, MP3), its channels mixed down, resampled to the feature extractor's rate (soxr),
-turned into log-mel features by the checkpoint's feature extractor (`preprocessor_config.json`), and its one
+turned into log-mel features by the checkpoint's feature extractor (`preprocessor_config.json`, or the
+`feature_extractor` of its `processor_config.json`, as transformers 5 saves a processor), and its one
 placeholder becomes its tokens, as the model's own processor lays them out (one a pooled frame). A clip longer than
 the model hears (Qwen2-Audio: its tower's window, 30 s; Audio Flamingo 3: its processor's `max_audio_len`, in whole
 30 s windows) is refused before it is decoded, as is one that is empty or no audio file. Runs in the frontend, off the
@@ -66,8 +67,8 @@ class AudioProcessing:
 
     @classmethod
     def for_model(cls, spec: AudioInput, folder: Path, tokenizer: Any) -> AudioProcessing:
-        """The audio of the checkpoint in `folder` (its `preprocessor_config.json`, which must be there; the settings
-        its `processor_config.json` holds for the kind's processor, where it is there)."""
+        """The audio of the checkpoint in `folder` (its feature extractor, which must be there: `audio_refusal`; the
+        settings its `processor_config.json` holds for the kind's processor, where it is there)."""
         import transformers  # (only for these models)
 
         extractor = transformers.AutoFeatureExtractor.from_pretrained(str(folder))
@@ -152,7 +153,7 @@ def audio_refusal(multimodal: MultimodalCheckpoint | None, folder: Path) -> str:
     `engine_server.model_loading`)."""
     if multimodal is None or multimodal.audio is None:
         return "this model hears no audio; send text alone"
-    if not (folder / _PROCESSOR_CONFIG).is_file():
+    if not (folder / _PROCESSOR_CONFIG).is_file() and not _saved_in_processor(folder):
         return f"this checkpoint has no feature extractor ({_PROCESSOR_CONFIG}) to hear audio with; send text alone"
     return ""
 
@@ -224,3 +225,16 @@ AUDIO_KINDS: dict[str, tuple[str, type[CheckpointEncoder]]] = {
     "qwen2_audio": ("Qwen2AudioProcessor", Qwen2AudioEncoder),
     "audioflamingo3": ("AudioFlamingo3Processor", AudioFlamingo3AudioEncoder),
 }
+
+
+def _saved_in_processor(folder: Path) -> bool:
+    """Whether the checkpoint in `folder` holds its feature extractor in its `processor_config.json` (transformers 5's
+    processor saves it there, with no `preprocessor_config.json`)."""
+    path = folder / _PROCESSOR_SETTINGS
+    if not path.is_file():
+        return False
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and isinstance(saved.get("feature_extractor"), dict)

@@ -210,8 +210,8 @@ AF3_MAX_SECONDS = 60  # (the processor's `max_audio_len` saved with the checkpoi
 
 
 def save_audio_flamingo_3(folder: Path) -> Any:
-    """A tiny Audio Flamingo 3 checkpoint saved in `folder` as transformers saves it (its processor's settings too,
-    `max_audio_len` 60 s); returns the model."""
+    """A tiny Audio Flamingo 3 checkpoint saved in `folder` as transformers saves it (its processor too, with its
+    feature extractor and `max_audio_len` 60 s, in `processor_config.json`); returns the model."""
     import transformers
     from transformers import WhisperFeatureExtractor
 
@@ -221,9 +221,8 @@ def save_audio_flamingo_3(folder: Path) -> Any:
     config = transformers.AudioFlamingo3Config(audio_config=_AF3_TOWER, text_config=text, audio_token_id=sound)
     model = save_drawn(folder, transformers.AudioFlamingo3ForConditionalGeneration, config,
                        lambda name: "audio_tower" in name or "projector" in name, (0.2, 0.1))  # fmt: skip
-    extractor = WhisperFeatureExtractor(feature_size=128)
+    extractor = WhisperFeatureExtractor(feature_size=128)  # (saved in the processor's processor_config.json alone)
     transformers.AudioFlamingo3Processor(extractor, tokenizer, max_audio_len=AF3_MAX_SECONDS).save_pretrained(folder)
-    extractor.save_pretrained(folder)
     return model
 
 
