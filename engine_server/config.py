@@ -91,9 +91,10 @@ class ImageInput:
 @dataclass(frozen=True)
 class AudioInput:
     """How a multimodal checkpoint whose audio is served hears it (`engine_server.multimodal.audio`): its audio encoder
-    (`encoder`: "qwen2_audio", Qwen2-Audio's Whisper-style tower over a clip's log-mel features, average-pooled, through
-    its projector) and the placeholder token its chat template writes once per clip (`audio_token_id`), expanded by the
-    model's own processor to one token a pooled frame."""
+    (`encoder`, the checkpoint's `model_type`: "qwen2_audio", Qwen2-Audio's Whisper-style tower over a clip's log-mel
+    features, average-pooled, through its projector; "audioflamingo3", Audio Flamingo 3's, over each 30 s window of a
+    clip) and the placeholder token its chat template writes once per clip (`audio_token_id`), expanded by the model's
+    own processor to one token a pooled frame."""
 
     encoder: str
     audio_token_id: int
@@ -108,7 +109,7 @@ class MultimodalCheckpoint:
     checkpoint whose expert banks may be stored hidden-first, `gate_up_proj` `[E, H, 2 * I]` and `down_proj`
     `[E, I, H]` (Qwen3-VL-MoE as released), transposed at load where their shapes say so, as transformers does.
     `images`: how the checkpoint reads images, for the kinds whose images are served (LLaVA's); `audio`: how it
-    hears audio, for the kinds whose audio is served (Qwen2-Audio's)."""
+    hears audio, for the kinds whose audio is served (Qwen2-Audio's, Audio Flamingo 3's)."""
 
     model_type: str
     towers: tuple[str, ...]

@@ -1,9 +1,9 @@
-"""The vision-language (and speech) checkpoints whose text model the engine serves on text prompts: Gemma 3 (4B to
-27B), Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE, LLaVA (1.5, NeXT, NeXT-Video, OneVision), Llama 3.2 Vision,
-InternVL, Idefics 2 and 3, SmolVLM, Aya Vision, Command A Vision, LFM2-VL, GLM-4.1V / 4.5V / 4.6V, MiniCPM-V 4.6,
-DeepSeek-VL, Janus, Ovis2 / 2.5, LLaVA-OneVision-1.5, VideoLLaMA3, Video-LLaVA, ViP-LLaVA, LightOnOCR, LFM3-VL,
-HyperCLOVA X Vision, Voxtral, Phi-4-multimodal (its text model Phi-4-mini's, without its vision and speech LoRA
-adapters), and the thinkers of Qwen2.5-Omni and Qwen3-Omni (their speech talkers not read).
+"""The vision-language (and speech) checkpoints whose text model the engine serves on text prompts: Gemma 3 (4B to 27B),
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE, LLaVA (1.5, NeXT, NeXT-Video, OneVision), Llama 3.2 Vision, InternVL,
+Idefics 2 and 3, SmolVLM, Aya Vision, Command A Vision, LFM2-VL, GLM-4.1V / 4.5V / 4.6V, MiniCPM-V 4.6, DeepSeek-VL,
+Janus, Ovis2 / 2.5, LLaVA-OneVision-1.5, VideoLLaMA3, Video-LLaVA, ViP-LLaVA, LightOnOCR, LFM3-VL, HyperCLOVA X
+Vision, Voxtral, Qwen2-Audio, Audio Flamingo 3, Phi-4-multimodal (its text model Phi-4-mini's, without its vision and
+speech LoRA adapters), and the thinkers of Qwen2.5-Omni and Qwen3-Omni (their speech talkers not read).
 
 Their `config.json` is read as transformers reads it (its composite config class: a released config states only what
 differs from the class's defaults, and early ones are flat, the text model's keys at the top level), and the text
@@ -12,8 +12,8 @@ transformers ties the LM head by). The towers and projectors beside the text mod
 served (`engine_server.multimodal`, `MultimodalCheckpoint.images`: LLaVA, LLaVA-NeXT, ViP-LLaVA, Aya Vision, Gemma 3,
 Mistral 3, InternVL, Idefics 2, Idefics 3, SmolVLM, DeepSeek-VL and its hybrid, Janus (its understanding path), the
 Qwen-VL and GLM-4.xV kinds, Llama 3.2 Vision (its tower, projector and cross-attention layers);
-`MultimodalCheckpoint.audio`: Qwen2-Audio); the other kinds serve text prompts, and a turn with an image or an audio
-clip is refused by name.
+`MultimodalCheckpoint.audio`: Qwen2-Audio, Audio Flamingo 3); the other kinds serve text prompts, and a turn with an
+image or an audio clip is refused by name.
 
 A text prompt takes the text model alone in each of these: the M-RoPE of the Qwen-VL and GLM-V families turns a text
 token's three position components, all its one position, as plain rope does; Llama 3.2 Vision skips its
@@ -52,11 +52,11 @@ MULTIMODAL_ARCHITECTURES = frozenset({
     "glm46v", "deepseek_vl", "deepseek_vl_hybrid", "janus", "hyperclovax_vision_v2", "lfm3_vl", "lighton_ocr",
     "llava_onevision1_5", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "ovis2", "ovis2_5", "video_llama_3",
     "video_llava", "vipllava", "qwen2_5_omni", "qwen2_5_omni_thinker", "qwen3_omni_moe", "qwen3_omni_moe_thinker",
-    "phi4_multimodal", "qwen2_audio",
+    "phi4_multimodal", "qwen2_audio", "audioflamingo3",
 })  # fmt: skip
 # The kinds whose transformers class ties no weights (no `_tied_weights_keys`): the LM head is always the checkpoint's
 # own, whatever the text config says (tests/unit/test_multimodal_text_models.py checks the set against transformers).
-_HEAD_NEVER_TIED = frozenset({"qwen2_audio", "voxtral", "mllama"})
+_HEAD_NEVER_TIED = frozenset({"qwen2_audio", "voxtral", "mllama", "audioflamingo3"})
 # The vision towers LLaVA's images are served over, and the class tokens each puts before its patches' rows.
 _CLASS_TOKENS = {"clip_vision_model": 1, "siglip_vision_model": 0}
 # The kinds whose images are served as Qwen-VL's are (`multimodal.qwen_vl`: a tower over patches and their grid,
@@ -175,9 +175,9 @@ def _image_input(composite: Any) -> ImageInput | None:
 
 
 def _audio_input(composite: Any) -> AudioInput | None:
-    """How a checkpoint whose audio is served hears it: Qwen2-Audio's. None for every other kind."""
-    if composite.model_type == "qwen2_audio":
-        return AudioInput("qwen2_audio", int(composite.audio_token_id))
+    """How a checkpoint whose audio is served hears it: Qwen2-Audio's, Audio Flamingo 3's. None for every other kind."""
+    if composite.model_type in ("qwen2_audio", "audioflamingo3"):
+        return AudioInput(composite.model_type, int(composite.audio_token_id))
     return None
 
 

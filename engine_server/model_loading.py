@@ -343,9 +343,11 @@ def _load_vision(
     if not tp.is_driver:
         return None
     if hears:
-        from engine_server.multimodal.audio import Qwen2AudioEncoder
+        from engine_server.multimodal.audio import AUDIO_KINDS
 
-        return Qwen2AudioEncoder.from_checkpoint(source.path, source.lazy_weights(), dtype, device)
+        assert multimodal is not None and multimodal.audio is not None
+        encoder = AUDIO_KINDS[multimodal.audio.encoder][1]
+        return encoder.from_checkpoint(source.path, source.lazy_weights(), dtype, device)
     from engine_server.multimodal.checkpoint import CheckpointEncoder
     from engine_server.multimodal.deepseek_vl import DeepseekVLHybridImageEncoder, DeepseekVLImageEncoder
     from engine_server.multimodal.llava import (  # (transformers' modules: only for these models)

@@ -26,7 +26,8 @@ class ImageSpan:
     `grid`; Idefics 2's tiles `[n, 3, H, W]`, padded to the largest, beside each tile's own (height, width) in turn;
     DeepSeek-VL hybrid's two square views `[3, L, L]` and `[3, H, H]` flattened one after the other, (L, H) its `grid`;
     Llama 3.2 Vision's tiles `[max tiles, 3, H, W]` beside its aspect ratio id and then its aspect ratio mask, one a
-    tile, as its `grid`, its span its one image token) and the sha256 of its file's bytes (`digest`)."""
+    tile, as its `grid`, its span its one image token; an audio clip's log-mel windows `[windows, mel bins, frames]`
+    beside each window's valid frames: `multimodal.audio`) and the sha256 of its file's bytes (`digest`)."""
 
     offset: int
     length: int

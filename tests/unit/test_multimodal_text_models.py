@@ -87,6 +87,9 @@ WRAPPERS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_audio": ("Qwen2Audio", {"text_config": _QWEN2, "audio_config": {
         "d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 64, "num_mel_bins": 16,
         "max_source_positions": 8}}),
+    "audioflamingo3": ("AudioFlamingo3", {"text_config": _QWEN2, "audio_config": {
+        "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+        "num_mel_bins": 16, "max_source_positions": 8}}),
     "idefics2": ("Idefics2", {"text_config": {"model_type": "mistral", "head_dim": 16}, "vision_config": _SIGLIP,
                               "perceiver_config": {"hidden_size": 64, "resampler_n_latents": 4,
                                                    "resampler_depth": 1, "resampler_n_heads": 2,
@@ -197,8 +200,8 @@ def test_every_multimodal_kind_is_tested() -> None:
 
 def test_the_lm_head_is_tied_exactly_where_transformers_ties_it() -> None:
     """A text config that ties its head (`tie_word_embeddings`) ties the engine's only where transformers' multimodal
-    class ties weights at all: Qwen2-Audio's, Voxtral's and Llama 3.2 Vision's tie none, so their checkpoints' own heads
-    are read."""
+    class ties weights at all: Qwen2-Audio's, Audio Flamingo 3's, Voxtral's and Llama 3.2 Vision's tie none, so their
+    checkpoints' own heads are read."""
     from engine_server.hf_multimodal import multimodal_text_config
 
     for kind in WRAPPERS:
