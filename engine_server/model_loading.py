@@ -338,7 +338,8 @@ def _load_vision(
     if decoder is None or type(decoder).forward is not DecoderModel.forward:
         raise ValueError(
             f"model {source.name!r}: images and audio are served over the shared decoder's text models only, not "
-            f"over {type(decoder).__name__}; remove its preprocessor_config.json to serve its text model alone"
+            f"over {type(decoder).__name__}; remove its preprocessor_config.json (or processor_config.json) to serve "
+            "its text model alone"
         )
     if not tp.is_driver:
         return None
