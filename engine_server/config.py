@@ -32,13 +32,14 @@ _O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = (
 class ImageInput:
     """How a multimodal checkpoint whose images are served reads them (`engine_server.multimodal`): its vision
     encoder (`encoder`: "llava", a tower's hidden states through LLaVA's projector ("aya_vision": Aya Vision's, over
-    its tiles); "llava_next", the same over its
-    image's tiles (any resolution: its processor's grid), unpadded, a newline after each row; "mistral3", Pixtral's
-    through Mistral 3's patch merger; "internvl", InternViT's pixel-shuffled through InternVL's projector, a tile at a
-    time; "idefics3" or "smolvlm", SigLIP's through the pixel-shuffle connector, a tile at a time; "qwen2_vl",
-    "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe" and the GLM-4.xV kinds, their towers over a processed image's patches,
-    merged `merge_size` x `merge_size`), and the placeholder token its chat template writes once per image
-    (`image_token_id`), expanded to the image's tokens: LLaVA's one per patch of `patch_size` squares plus
+    its tiles); "llava_next", the same over its image's tiles (any resolution: its processor's grid), unpadded, a
+    newline after each row ("llava_onevision": the same over a SigLIP tower, a large grid scaled down, each of a
+    prompt's several images its base view alone); "mistral3", Pixtral's through Mistral 3's patch merger;
+    "internvl", InternViT's pixel-shuffled through InternVL's projector, a tile at a time; "idefics3" or "smolvlm",
+    SigLIP's through the pixel-shuffle connector, a tile at a time; "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+    "qwen3_vl_moe" and the GLM-4.xV kinds, their towers over a processed image's patches, merged
+    `merge_size` x `merge_size`), and the placeholder token its chat template writes once per image (`image_token_id`),
+    expanded to the image's tokens: LLaVA's one per patch of `patch_size` squares plus
     `extra_tokens` (the tower's class token, unless the projector drops it: -1 to 1; InternVL's `extra_tokens` a
     tile), the Qwen-VL towers' one per merged patch. With `mrope_section` (the Qwen-VL text models' M-RoPE: rotated
     pairs turned by the temporal, height and width position) an image's tokens take 3-D positions and the text after
@@ -72,6 +73,10 @@ class ImageInput:
     # Aya Vision's: the chat template's placeholder where it is not the image token (`<image>`, expanded by its
     # processor into tiles of `<|IMG_PATCH|>` tokens, the image token).
     placeholder: str | None = None
+    # LLaVA-OneVision's `vision_aspect_ratio` ("anyres_max_N"): a grid of tiles whose unpadded features exceed about N
+    # tiles' is scaled down to fit (its processor's count and its model's packing alike); `extra_tokens` a tile's
+    # tokens (its processor's `num_image_tokens`).
+    vision_aspect_ratio: str | None = None
 
     def tokens_per_image(self, height: int, width: int) -> int:
         """Placeholder tokens of an image processed to `height` x `width` pixels (LLaVA's processor's count)."""

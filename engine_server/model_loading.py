@@ -354,6 +354,7 @@ def _load_vision(
         "llava": LlavaImageEncoder, "mistral3": Mistral3ImageEncoder, "internvl": InternVLImageEncoder,
         "idefics3": TiledSiglipEncoder, "smolvlm": TiledSiglipEncoder, "llava_next": LlavaNextImageEncoder,
         "gemma3": Gemma3ImageEncoder, "aya_vision": LlavaImageEncoder,
+        "llava_onevision": LlavaNextImageEncoder,
     }  # fmt: skip
     return encoders.get(kind, QwenVisionEncoder).from_checkpoint(source.path, source.lazy_weights(), dtype, device)
 

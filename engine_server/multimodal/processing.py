@@ -11,6 +11,7 @@ the step loop.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import warnings
 from collections.abc import Sequence
@@ -29,7 +30,10 @@ DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
 _FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _PROCESSOR_CONFIG = "preprocessor_config.json"
 # The kinds whose own processor lays an image's tokens out (`_layout_processor`).
-_PROCESSOR_LAYOUTS = ("llava_next", "aya_vision")
+_PROCESSOR_LAYOUTS = ("llava_next", "aya_vision", "llava_onevision")
+# Keeps the digest of a LLaVA-OneVision image laid out as its base view alone (a prompt's several images) apart from
+# the same file's laid out in tiles (`ImageSpan.digest`: running requests share an image's features by it).
+_BASE_VIEW_DOMAIN = b"ladle.v1 base view\0"
 
 
 @dataclass(frozen=True)
@@ -108,10 +112,15 @@ class ImageProcessing:
         out: list[int] = []
         spans = []
         done = 0
-        for place, image in zip(places, images, strict=True):
-            tokens, runs, pixels, grid = self._laid_out(self._processed(image))
+        together = self.spec.encoder == "llava_onevision" and len(images) > 1  # (laid out by how many share the prompt)
+        processed = self._processed_together(images) if together else [self._processed(image) for image in images]
+        for place, image, each in zip(places, images, processed, strict=True):
+            tokens, runs, pixels, grid = self._laid_out(each)
             out.extend(token_ids[done:place])
-            spans.append(ImageSpan(len(out), len(tokens), pixels, image_digest(image.data), grid, runs))
+            digest = image_digest(image.data)
+            if together:  # (its features are not the same image's alone in a prompt, which are shared by digest)
+                digest = hashlib.sha256(_BASE_VIEW_DOMAIN + digest).digest()
+            spans.append(ImageSpan(len(out), len(tokens), pixels, digest, grid, runs))
             out.extend(tokens)
             done = place + 1
         out.extend(token_ids[done:])
@@ -193,9 +202,36 @@ class ImageProcessing:
         tokens = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
         return tokens, _image_runs(tokens, image_token), processed["pixel_values"][0], None
 
+    def _processed_together(self, images: Sequence[PromptImage]) -> list[dict[str, Any]]:
+        """LLaVA-OneVision's processor's output for a prompt's several images, an image's part each: its processor
+        lays out each image of a prompt with more than one as its base view alone (padded square, one tile and its
+        newline), all in one call, as transformers' processor takes the prompt's images."""
+        placeholder = self.layout.tokenizer.convert_ids_to_tokens(self.spec.image_token_id)
+        rgbs = [self._decoded(image) for image in images]
+        out = self.layout(text=placeholder * len(images), images=[rgbs], return_tensors="pt", add_special_tokens=False)
+        ids, count = out["input_ids"][0], len(images)
+        each = len(ids) // count  # (every image of such a prompt takes as many tokens: a tile's and its newline)
+        return [{"input_ids": ids[i * each : (i + 1) * each][None], "pixel_values": out["pixel_values"][i : i + 1],
+                 "image_sizes": out["image_sizes"][i : i + 1]} for i in range(count)]  # fmt: skip
+
     def _processed(self, image: PromptImage) -> Any:
         """The processor's output for one image file (its first frame): `pixel_values`, and the Qwen-VL processors'
         `image_grid_thw`."""
+        rgb = self._decoded(image)
+        if self.spec.encoder in _PROCESSOR_LAYOUTS:  # (its processor: the tiles and the placeholder's expansion alike)
+            placeholder = self.spec.placeholder or self.layout.tokenizer.convert_ids_to_tokens(self.spec.image_token_id)
+            return self.layout(text=placeholder, images=[rgb], return_tensors="pt", add_special_tokens=False)
+        if self.spec.split_rows:  # (Idefics 3's and SmolVLM's: with its rows and columns of tiles)
+            return self.processor(images=[[rgb]], return_tensors="pt", return_row_col_info=True)
+        if self.spec.tiles:  # (InternVL's: tiles and a thumbnail, as its processor asks)
+            return self.processor(images=[rgb], return_tensors="pt", crop_to_patches=True)
+        if self.row_marks is not None:  # (Pixtral's: sized to whole merged patches, as Mistral 3's processor asks)
+            side = self.spec.patch_size * self.spec.merge_size
+            return self.processor(images=[rgb], return_tensors="pt", patch_size=side)
+        return self.processor(images=[rgb], return_tensors="pt")
+
+    def _decoded(self, image: PromptImage) -> Any:
+        """One image file's first frame as an RGB PIL image; ValidationError for one that is no image or too large."""
         from PIL import Image, UnidentifiedImageError
 
         try:
@@ -215,29 +251,30 @@ class ImageProcessing:
             raise ValidationError(
                 f"the image cannot be read ({error}); send a PNG, JPEG, WebP, GIF or BMP file", image.param
             ) from None
-        if self.spec.encoder in _PROCESSOR_LAYOUTS:  # (its processor: the tiles and the placeholder's expansion alike)
-            placeholder = self.spec.placeholder or self.layout.tokenizer.convert_ids_to_tokens(self.spec.image_token_id)
-            return self.layout(text=placeholder, images=[rgb], return_tensors="pt", add_special_tokens=False)
-        if self.spec.split_rows:  # (Idefics 3's and SmolVLM's: with its rows and columns of tiles)
-            return self.processor(images=[[rgb]], return_tensors="pt", return_row_col_info=True)
-        if self.spec.tiles:  # (InternVL's: tiles and a thumbnail, as its processor asks)
-            return self.processor(images=[rgb], return_tensors="pt", crop_to_patches=True)
-        if self.row_marks is not None:  # (Pixtral's: sized to whole merged patches, as Mistral 3's processor asks)
-            side = self.spec.patch_size * self.spec.merge_size
-            return self.processor(images=[rgb], return_tensors="pt", patch_size=side)
-        return self.processor(images=[rgb], return_tensors="pt")
+        return rgb
 
 
 def _layout_processor(spec: ImageInput, image_processor: Any, tokenizer: Any) -> Any:
     """The model's own processor, which lays an image's tokens out (`_PROCESSOR_LAYOUTS`), over its PIL image processor
-    and `tokenizer`, its sizes the model's: LLaVA-NeXT's (as many tokens as its tiles unpad to), Aya Vision's (tiles
-    of `<|IMG_PATCH|>` tokens after their tile tokens, then the global view's)."""
+    and `tokenizer`, its sizes the model's: LLaVA-NeXT's and LLaVA-OneVision's (as many tokens as its tiles unpad
+    to; OneVision's without its video processor, which needs torchvision), Aya Vision's (tiles of `<|IMG_PATCH|>`
+    tokens after their tile tokens, then the global view's)."""
     import transformers
 
     if spec.encoder == "llava_next":
         return transformers.LlavaNextProcessor(
             image_processor, tokenizer, patch_size=spec.patch_size, vision_feature_select_strategy="full",
             num_additional_image_tokens=spec.extra_tokens,
+        )  # fmt: skip
+    if spec.encoder == "llava_onevision":
+
+        class ImagesOnly(transformers.LlavaOnevisionProcessor):  # (no video processor: it needs torchvision)
+            def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> type:
+                return type(argument)
+
+        return ImagesOnly(
+            image_processor, tokenizer, video_processor=None, num_image_tokens=spec.extra_tokens,
+            vision_feature_select_strategy="full", vision_aspect_ratio=spec.vision_aspect_ratio,
         )  # fmt: skip
     side = int(image_processor.size["height"])  # (Aya Vision's tiles: the tower's image size)
     return transformers.AyaVisionProcessor(image_processor, tokenizer, img_size=side,
