@@ -857,7 +857,8 @@ def test_images_are_read_under_tensor_parallelism_as_on_one_rank(kind: str, tmp_
 # alone in its prompt in tiles on its best grid up to 56 x 56 beside its base view, unpadded, a grid of more than about
 # two tiles' features scaled down ("anyres_max_2"); each of a prompt's several images its base view alone.
 _ONEVISION_SIGLIP = {**_GEMMA3_SIGLIP, "model_type": "siglip_vision_model", "image_size": 28, "patch_size": 7}
-_ONEVISION_PROMPTS = {**PROMPTS, "wide image": lambda: user("And this one?", png(6, (90, 40)))}
+_ONEVISION_PROMPTS = {**PROMPTS, "wide image": lambda: user("And this one?", png(6, (90, 40))),
+                      "one of the two alone": lambda: user("Only", png(3))}
 
 
 def save_llava_onevision(folder: Path) -> Any:
@@ -902,7 +903,8 @@ def test_a_llava_onevision_checkpoint_answers_image_prompts_as_transformers_does
     """LLaVA-OneVision (an image alone in its prompt in tiles on its best grid beside its base view, unpadded, scaled
     down past its `vision_aspect_ratio`, a newline embedding after each row; each of several images its base view and
     one newline): the prompt's ids are its processor's; prompts with one image, two and none, batched, whole and in
-    chunks of 5, answer as transformers does."""
+    chunks of 5, answer as transformers does; an image alone and among several, in flight together, is encoded for
+    each."""
     model = save_llava_onevision(tmp_path)
     prompts = [*(_ONEVISION_PROMPTS[case]() for case in sorted(_ONEVISION_PROMPTS)),
                ChatPrompt([ChatMessage("user", "No picture here.")])]  # fmt: skip
@@ -911,5 +913,5 @@ def test_a_llava_onevision_checkpoint_answers_image_prompts_as_transformers_does
     counts = [each["input_ids"][0].tolist().count(image_token) for each in inputs]
     assert inputs[0]["pixel_values"].shape[1] > 2  # (an image of several tiles beside its base view)
     assert counts[0] == 16 + 4 * 6 + 4  # (its 2 x 2 tiles' 8 x 8 patches unpadded to 6 x 8, scaled to 4 x 6)
-    assert counts[2] == 2 * (16 + 1)  # (two images: each its base view's 16 and a newline)
+    assert counts[3] == 2 * (16 + 1)  # (two images: each its base view's 16 and a newline)
     assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
