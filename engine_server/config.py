@@ -33,7 +33,9 @@ class ImageInput:
     """How a multimodal checkpoint whose images are served reads them (`engine_server.multimodal`): its vision
     encoder (`encoder`: "llava", a tower's hidden states through LLaVA's projector ("aya_vision": Aya Vision's, over
     its tiles); "llava_next", the same over its
-    image's tiles (any resolution: its processor's grid), unpadded, a newline after each row; "mistral3", Pixtral's
+    image's tiles (any resolution: its processor's grid), unpadded, a newline after each row ("llava_onevision": the
+    same over a SigLIP tower, a large grid scaled down, each of a prompt's several images its base view alone);
+    "mistral3", Pixtral's
     through Mistral 3's patch merger; "internvl", InternViT's pixel-shuffled through InternVL's projector, a tile at a
     time; "idefics3" or "smolvlm", SigLIP's through the pixel-shuffle connector, a tile at a time; "idefics2", its
     SigLIP-like tower's over the patches each tile's pixel mask covers whole, through its connector's perceiver
@@ -82,6 +84,10 @@ class ImageInput:
     # dropped_layers`, by checkpoint index), which its tokens attend as its processor's cross-attention mask says
     # (`multimodal.mllama`).
     cross_attention: bool = False
+    # LLaVA-OneVision's `vision_aspect_ratio` ("anyres_max_N"): a grid of tiles whose unpadded features exceed about N
+    # tiles' is scaled down to fit (its processor's count and its model's packing alike); `extra_tokens` a tile's
+    # tokens (its processor's `num_image_tokens`).
+    vision_aspect_ratio: str | None = None
 
     def tokens_per_image(self, height: int, width: int) -> int:
         """Placeholder tokens of an image processed to `height` x `width` pixels (LLaVA's processor's count)."""

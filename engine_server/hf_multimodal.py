@@ -9,11 +9,11 @@ Their `config.json` is read as transformers reads it (its composite config class
 differs from the class's defaults, and early ones are flat, the text model's keys at the top level), and the text
 model's config (`text_config`) is read as the family's own, under the embedding tie of the composite model (the one
 transformers ties the LM head by). The towers and projectors beside the text model are read only where images are
-served (`engine_server.multimodal`, `MultimodalCheckpoint.images`: LLaVA, LLaVA-NeXT, ViP-LLaVA, Aya Vision, Gemma 3,
-Mistral 3, InternVL, Idefics 2, Idefics 3, SmolVLM, DeepSeek-VL and its hybrid, Janus (its understanding path), the
-Qwen-VL and GLM-4.xV kinds, Llama 3.2 Vision (its tower, projector and cross-attention layers);
-`MultimodalCheckpoint.audio`: Qwen2-Audio, Audio Flamingo 3); the other kinds serve text prompts, and a turn with an
-image or an audio clip is refused by name.
+served (`engine_server.multimodal`, `MultimodalCheckpoint.images`: LLaVA, LLaVA-NeXT (and NeXT-Video), LLaVA-OneVision,
+ViP-LLaVA, Aya Vision, Gemma 3, Mistral 3, InternVL, Idefics 2, Idefics 3, SmolVLM, DeepSeek-VL and its hybrid, Janus
+(its understanding path), the Qwen-VL and GLM-4.xV kinds, Llama 3.2 Vision (its tower, projector and cross-attention
+layers); `MultimodalCheckpoint.audio`: Qwen2-Audio, Audio Flamingo 3); the other kinds serve text prompts, and a turn
+with an image or an audio clip is refused by name.
 
 A text prompt takes the text model alone in each of these: the M-RoPE of the Qwen-VL and GLM-V families turns a text
 token's three position components, all its one position, as plain rope does; Llama 3.2 Vision skips its
@@ -111,6 +111,7 @@ def multimodal_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], Multimo
 def _image_input(composite: Any) -> ImageInput | None:
     """How a checkpoint whose images are served reads them: LLaVA's, LLaVA-NeXT's, ViP-LLaVA's and Aya Vision's over a
     CLIP or SigLIP tower, whose class token (CLIP's) the "default" feature strategy drops (ViP-LLaVA's always);
+    LLaVA-OneVision's over SigLIP (every patch: the "full" strategy);
     Gemma 3's; Mistral 3's over Pixtral; InternVL's, Idefics 3's and SmolVLM's tiles; Idefics 2's (its perceiver's
     `resampler_n_latents` tokens a tile); DeepSeek-VL's, its hybrid's and Janus's (a fixed count an image); the Qwen-VL
     kinds' (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE; GLM-4.1V, 4.5V and 4.6V), their text model's M-RoPE sections
@@ -156,6 +157,13 @@ def _image_input(composite: Any) -> ImageInput | None:
     if composite.model_type == "aya_vision" and composite.vision_config.model_type == "siglip_vision_model":
         return ImageInput("aya_vision", int(composite.image_token_id), int(composite.vision_config.patch_size),
                           merge_size=int(composite.downsample_factor), placeholder="<image>")  # fmt: skip
+    if composite.model_type == "llava_onevision":
+        vision = composite.vision_config
+        if vision.model_type != "siglip_vision_model" or composite.vision_feature_select_strategy != "full":
+            return None  # (released checkpoints' alone: SigLIP's every patch)
+        per_tile = (int(vision.image_size) // int(vision.patch_size)) ** 2
+        return ImageInput("llava_onevision", int(composite.image_token_id), int(vision.patch_size),
+                          extra_tokens=per_tile, vision_aspect_ratio=str(composite.vision_aspect_ratio))  # fmt: skip
     if composite.model_type in ("deepseek_vl", "janus", "deepseek_vl_hybrid"):  # (a token a patch of its square image)
         vision = composite.vision_config
         tokens = (int(vision.image_size) // int(vision.patch_size)) ** 2

@@ -372,6 +372,7 @@ def _load_vision(
         "gemma3": Gemma3ImageEncoder, "aya_vision": LlavaImageEncoder, "vipllava": LlavaImageEncoder,
         "idefics2": Idefics2ImageEncoder, "deepseek_vl": DeepseekVLImageEncoder, "janus": DeepseekVLImageEncoder,
         "deepseek_vl_hybrid": DeepseekVLHybridImageEncoder, "mllama": MllamaImageEncoder,
+        "llava_onevision": LlavaNextImageEncoder,
     }  # fmt: skip
     return encoders.get(kind, QwenVisionEncoder).from_checkpoint(source.path, source.lazy_weights(), dtype, device)
 

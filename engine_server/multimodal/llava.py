@@ -185,7 +185,9 @@ class Idefics2ImageEncoder(CheckpointEncoder):
 class LlavaNextImageEncoder(CheckpointEncoder):
     """LLaVA-NeXT's images (LLaVA 1.6): the image's tiles of its any-resolution grid and its base view through the tower
     and the projector (as LLaVA's), then laid out as transformers' `LlavaNextModel` packs them: the base view's rows,
-    then the grid's unpadded to the image's aspect, `image_newline` after each row of it."""
+    then the grid's unpadded to the image's aspect, `image_newline` after each row of it. LLaVA-OneVision's the same,
+    packed as `LlavaOnevisionModel` packs them: a grid larger than its `vision_aspect_ratio` allows scaled down, and an
+    image of a prompt with several (its base view alone) followed by one `image_newline`."""
 
     parts = ("vision_tower.", "multi_modal_projector.", "image_newline")
 
@@ -193,18 +195,23 @@ class LlavaNextImageEncoder(CheckpointEncoder):
         super().__init__()
         from transformers import AutoModel
         from transformers.models.llava_next.modeling_llava_next import LlavaNextMultiModalProjector
+        from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionMultiModalProjector
 
+        self.onevision = composite.model_type == "llava_onevision"
         self.config = composite  # (read by transformers' packing: the grid's pinpoints, the tower's image size)
         self.vision_tower = AutoModel.from_config(composite.vision_config)
-        self.multi_modal_projector = LlavaNextMultiModalProjector(composite)
+        projector: Any = LlavaOnevisionMultiModalProjector if self.onevision else LlavaNextMultiModalProjector
+        self.multi_modal_projector = projector(composite)
         self.image_newline = nn.Parameter(torch.empty(composite.text_config.hidden_size))
         self.feature_layers: int | list[int] = composite.vision_feature_layer
         self.strategy: str = composite.vision_feature_select_strategy
 
 
     def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
-        """One image's tiles `[n, 3, H, W]` and its original (height, width) `grid` -> its tokens' embeddings."""
+        """One image's tiles `[n, 3, H, W]` (its base view first; OneVision's of a prompt with several images, that
+        alone) and its original (height, width) `grid` -> its tokens' embeddings."""
         from transformers.models.llava_next.modeling_llava_next import LlavaNextModel
+        from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionModel
 
         assert grid is not None and len(grid) == 2, "a LLaVA-NeXT image has its original size"
         out = self.vision_tower(pixel_values, output_hidden_states=True, return_dict=True)
@@ -213,8 +220,15 @@ class LlavaNextImageEncoder(CheckpointEncoder):
         if self.strategy == "default":
             states = states[:, 1:]
         features = self.multi_modal_projector(states)
-        pack: Any = LlavaNextModel.pack_image_features  # (it reads its model's config alone)
-        packed, _ = pack(self, [features], torch.tensor([list(grid)]), self.strategy, image_newline=self.image_newline)
+        sizes = torch.tensor([list(grid)])
+        pack: Any  # (transformers' packing, which reads its model's config alone)
+        if self.onevision:
+            pack = LlavaOnevisionModel.pack_image_features
+            packed, _ = pack(self, [features], sizes, image_newline=self.image_newline,
+                             vision_aspect_ratio=self.config.vision_aspect_ratio)  # fmt: skip
+        else:
+            pack = LlavaNextModel.pack_image_features
+            packed, _ = pack(self, [features], sizes, self.strategy, image_newline=self.image_newline)
         result: torch.Tensor = packed[0]
         return result
 

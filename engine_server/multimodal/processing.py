@@ -14,6 +14,7 @@ frontend, off the step loop.
 from __future__ import annotations
 
 import copy
+import hashlib
 import io
 import warnings
 from collections.abc import Callable, Sequence
@@ -35,13 +36,18 @@ DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
 _FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _PROCESSOR_CONFIG = "preprocessor_config.json"
 # The kinds whose own processor lays an image's tokens out (`_layout_processor`).
-_PROCESSOR_LAYOUTS = ("llava_next", "llava_next_video", "aya_vision", "deepseek_vl", "janus", "deepseek_vl_hybrid")
+_PROCESSOR_LAYOUTS = (
+    "llava_next", "llava_next_video", "llava_onevision", "aya_vision", "deepseek_vl", "janus", "deepseek_vl_hybrid",
+)
 # The kinds whose own processor lays the images out in the whole prompt's text (`prompt_ids`): Idefics 2's (adjacent
 # images share the `<fake_token_around_image>` between them; text right after one starts with a space).
 _TEXT_LAYOUTS = ("idefics2",)
 # The processors of the kinds whose image is a fixed number of tokens (`ImageInput.extra_tokens`).
 _FIXED_COUNT_PROCESSORS = {"deepseek_vl": "DeepseekVLProcessor", "janus": "JanusProcessor",
                            "deepseek_vl_hybrid": "DeepseekVLHybridProcessor"}  # fmt: skip
+# Keeps the digest of a LLaVA-OneVision image laid out as its base view alone (a prompt's several images) apart from
+# the same file's laid out in tiles (`ImageSpan.digest`: running requests share an image's features by it).
+_BASE_VIEW_DOMAIN = b"ladle.v1 base view\0"
 
 
 @dataclass(frozen=True)
@@ -130,10 +136,15 @@ class ImageProcessing:
         out: list[int] = []
         spans = []
         done = 0
-        for place, image in zip(places, images, strict=True):
-            tokens, runs, pixels, grid = self._laid_out(self._processed(image))
+        together = self.spec.encoder == "llava_onevision" and len(images) > 1  # (laid out by how many share the prompt)
+        processed = self._processed_together(images) if together else [self._processed(image) for image in images]
+        for place, image, each in zip(places, images, processed, strict=True):
+            tokens, runs, pixels, grid = self._laid_out(each)
             out.extend(token_ids[done:place])
-            spans.append(ImageSpan(len(out), len(tokens), pixels, image_digest(image.data), grid, runs))
+            digest = image_digest(image.data)
+            if together:  # (its features are not the same image's alone in a prompt, which are shared by digest)
+                digest = hashlib.sha256(_BASE_VIEW_DOMAIN + digest).digest()
+            spans.append(ImageSpan(len(out), len(tokens), pixels, digest, grid, runs))
             out.extend(tokens)
             done = place + 1
         out.extend(token_ids[done:])
@@ -268,9 +279,40 @@ class ImageProcessing:
         tokens = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
         return tokens, _image_runs(tokens, image_token), processed["pixel_values"][0], None
 
+    def _processed_together(self, images: Sequence[PromptImage]) -> list[dict[str, Any]]:
+        """LLaVA-OneVision's processor's output for a prompt's several images, an image's part each: its processor
+        lays out each image of a prompt with more than one as its base view alone (padded square, one tile and its
+        newline), all in one call, as transformers' processor takes the prompt's images."""
+        placeholder = self.layout.tokenizer.convert_ids_to_tokens(self.spec.image_token_id)
+        rgbs = [self._decoded(image) for image in images]
+        out = self.layout(text=placeholder * len(images), images=[rgbs], return_tensors="pt", add_special_tokens=False)
+        ids, count = out["input_ids"][0], len(images)
+        each = len(ids) // count  # (every image of such a prompt takes as many tokens: a tile's and its newline)
+        return [{"input_ids": ids[i * each : (i + 1) * each][None], "pixel_values": out["pixel_values"][i : i + 1],
+                 "image_sizes": out["image_sizes"][i : i + 1]} for i in range(count)]  # fmt: skip
+
     def _processed(self, image: PromptImage) -> Any:
         """The processor's output for one image file (its first frame): `pixel_values`, and the Qwen-VL processors'
         `image_grid_thw`."""
+        rgb = self._decoded(image)
+        if self.spec.encoder in _PROCESSOR_LAYOUTS:  # (its processor: the tiles and the placeholder's expansion alike)
+            placeholder = self.spec.placeholder or self.layout.tokenizer.convert_ids_to_tokens(self.spec.image_token_id)
+            return self.layout(text=placeholder, images=[rgb], return_tensors="pt", add_special_tokens=False)
+        if self.spec.encoder in _TEXT_LAYOUTS:  # (Idefics 2's: its tiles padded to the largest, their pixel masks)
+            return self.processor(images=[[rgb]], return_tensors="pt", do_pad=True)
+        if self.spec.split_rows:  # (Idefics 3's and SmolVLM's: with its rows and columns of tiles)
+            return self.processor(images=[[rgb]], return_tensors="pt", return_row_col_info=True)
+        if self.spec.cross_attention:  # (Llama 3.2 Vision's: its tiles, aspect ratio ids and mask, their count)
+            return self.processor(images=[[rgb]], return_tensors="pt")
+        if self.spec.tiles:  # (InternVL's: tiles and a thumbnail, as its processor asks)
+            return self.processor(images=[rgb], return_tensors="pt", crop_to_patches=True)
+        if self.row_marks is not None:  # (Pixtral's: sized to whole merged patches, as Mistral 3's processor asks)
+            side = self.spec.patch_size * self.spec.merge_size
+            return self.processor(images=[rgb], return_tensors="pt", patch_size=side)
+        return self.processor(images=[rgb], return_tensors="pt")
+
+    def _decoded(self, image: PromptImage) -> Any:
+        """One image file's first frame as an RGB PIL image; ValidationError for one that is no image or too large."""
         from PIL import Image, UnidentifiedImageError
 
         try:
@@ -290,31 +332,18 @@ class ImageProcessing:
             raise ValidationError(
                 f"the image cannot be read ({error}); send a PNG, JPEG, WebP, GIF or BMP file", image.param
             ) from None
-        if self.spec.encoder in _PROCESSOR_LAYOUTS:  # (its processor: the tiles and the placeholder's expansion alike)
-            placeholder = self.spec.placeholder or self.layout.tokenizer.convert_ids_to_tokens(self.spec.image_token_id)
-            return self.layout(text=placeholder, images=[rgb], return_tensors="pt", add_special_tokens=False)
-        if self.spec.encoder in _TEXT_LAYOUTS:  # (Idefics 2's: its tiles padded to the largest, their pixel masks)
-            return self.processor(images=[[rgb]], return_tensors="pt", do_pad=True)
-        if self.spec.split_rows:  # (Idefics 3's and SmolVLM's: with its rows and columns of tiles)
-            return self.processor(images=[[rgb]], return_tensors="pt", return_row_col_info=True)
-        if self.spec.cross_attention:  # (Llama 3.2 Vision's: its tiles, aspect ratio ids and mask, their count)
-            return self.processor(images=[[rgb]], return_tensors="pt")
-        if self.spec.tiles:  # (InternVL's: tiles and a thumbnail, as its processor asks)
-            return self.processor(images=[rgb], return_tensors="pt", crop_to_patches=True)
-        if self.row_marks is not None:  # (Pixtral's: sized to whole merged patches, as Mistral 3's processor asks)
-            side = self.spec.patch_size * self.spec.merge_size
-            return self.processor(images=[rgb], return_tensors="pt", patch_size=side)
-        return self.processor(images=[rgb], return_tensors="pt")
+        return rgb
 
 
 def _layout_processor(spec: ImageInput, image_processor: Any, tokenizer: Any) -> Any:
     """The model's own processor, which lays an image's tokens out (`_PROCESSOR_LAYOUTS`, `_TEXT_LAYOUTS`), over its
-    PIL image processor and `tokenizer`, its sizes the model's: LLaVA-NeXT's (as many tokens as its tiles unpad to),
-    Aya Vision's (tiles of `<|IMG_PATCH|>` tokens after their tile tokens, then the global view's), Idefics 2's
-    (`<fake_token_around_image>`, `extra_tokens` image tokens a tile, `<fake_token_around_image>`; over a copy of the
-    tokenizer, to which it adds its tokens: ValueError where the tokenizer lacks any), DeepSeek-VL's (`extra_tokens`
-    image tokens an image; its tokenizer names its image token, `tokenizer.image_token`, else ValueError), DeepSeek-VL
-    hybrid's (the same), Janus's (the same between its `tokenizer.boi_token` and `tokenizer.eoi_token`)."""
+    PIL image processor and `tokenizer`, its sizes the model's: LLaVA-NeXT's and LLaVA-OneVision's (as many tokens as
+    its tiles unpad to; OneVision's without its video processor, which needs torchvision), Aya Vision's (tiles of
+    `<|IMG_PATCH|>` tokens after their tile tokens, then the global view's), Idefics 2's (`<fake_token_around_image>`,
+    `extra_tokens` image tokens a tile, `<fake_token_around_image>`; over a copy of the tokenizer, to which it adds its
+    tokens: ValueError where the tokenizer lacks any), DeepSeek-VL's (`extra_tokens` image tokens an image; its
+    tokenizer names its image token, `tokenizer.image_token`, else ValueError), DeepSeek-VL hybrid's (the same),
+    Janus's (the same between its `tokenizer.boi_token` and `tokenizer.eoi_token`)."""
     import transformers
 
     if spec.encoder == "idefics2":
@@ -335,6 +364,16 @@ def _layout_processor(spec: ImageInput, image_processor: Any, tokenizer: Any) ->
             raise ValueError(f"{spec.encoder} images need a tokenizer that names its {', '.join(names)}")
         processor = getattr(transformers, _FIXED_COUNT_PROCESSORS[spec.encoder])
         return processor(image_processor, tokenizer, num_image_tokens=spec.extra_tokens)
+    if spec.encoder == "llava_onevision":
+
+        class ImagesOnly(transformers.LlavaOnevisionProcessor):  # (no video processor: it needs torchvision)
+            def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> type:
+                return type(argument)
+
+        return ImagesOnly(
+            image_processor, tokenizer, video_processor=None, num_image_tokens=spec.extra_tokens,
+            vision_feature_select_strategy="full", vision_aspect_ratio=spec.vision_aspect_ratio,
+        )  # fmt: skip
     side = int(image_processor.size["height"])  # (Aya Vision's tiles: the tower's image size)
     return transformers.AyaVisionProcessor(image_processor, tokenizer, img_size=side,
                                            patch_size=spec.patch_size * spec.merge_size)  # fmt: skip

@@ -245,8 +245,8 @@ def test_an_image_too_large_is_refused_before_it_is_decoded(served: LLM) -> None
 
 
 def test_a_model_that_reads_no_images_refuses_one(tmp_path: Path) -> None:
-    """A text model refuses an image turn by name; a LLaVA-OneVision checkpoint (its text model served) says its images
-    are not yet."""
+    """A text model refuses an image turn by name; a Command A Vision checkpoint (its text model served) says its
+    images are not yet."""
     from tests.families import save_family
     from tests.unit.test_multimodal_text_models import _multimodal, _saved
 
@@ -254,9 +254,9 @@ def test_a_model_that_reads_no_images_refuses_one(tmp_path: Path) -> None:
     with engine(text_model) as llm, pytest.raises(ValidationError, match="reads no images") as refused:
         llm.chat([user("Hi", png(1))], GREEDY, use_tqdm=False)
     assert refused.value.param == "messages[0].content[1]"
-    _saved(_multimodal("llava_onevision"), tmp_path / "onevision")
-    assert json.loads((tmp_path / "onevision" / "config.json").read_text())["model_type"] == "llava_onevision"
-    with engine(tmp_path / "onevision") as llm, pytest.raises(ValidationError, match="not served for llava_onevision"):
+    _saved(_multimodal("cohere2_vision"), tmp_path / "cohere2_vision")
+    assert json.loads((tmp_path / "cohere2_vision" / "config.json").read_text())["model_type"] == "cohere2_vision"
+    with engine(tmp_path / "cohere2_vision") as llm, pytest.raises(ValidationError, match="not served for cohere2"):
         llm.chat([user("Hi", png(1))], GREEDY, use_tqdm=False)
 
 
@@ -1147,3 +1147,67 @@ def test_a_text_draft_model_drafts_for_image_prompts(kind: str, tmp_path: Path) 
     with engine(tmp_path / kind, chunk=20, speculative_config=spec) as llm:
         results = llm.chat(prompts, GREEDY, use_tqdm=False)
     assert [result.choices[0].token_ids for result in results] == expected
+
+
+# LLaVA-OneVision over a tiny SigLIP (tiles of 28 pixels: 4 x 4 patches of 7) beside a Qwen2 text model: an image
+# alone in its prompt in tiles on its best grid up to 56 x 56 beside its base view, unpadded, a grid of more than about
+# two tiles' features scaled down ("anyres_max_2"); each of a prompt's several images its base view alone.
+_ONEVISION_SIGLIP = {**_GEMMA3_SIGLIP, "model_type": "siglip_vision_model", "image_size": 28, "patch_size": 7}
+_ONEVISION_PROMPTS = {**PROMPTS, "wide image": lambda: user("And this one?", png(6, (90, 40))),
+                      "one of the two alone": lambda: user("Only", png(3))}
+
+
+def save_llava_onevision(folder: Path) -> Any:
+    """A tiny LLaVA-OneVision checkpoint that reads images, saved in `folder` as transformers saves it; returns the
+    model."""
+    import transformers
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
+
+    image_token = vision_tokenizer(folder, ["<image>"], PARTS_BY_LOOP).convert_tokens_to_ids("<image>")
+    text = {**_SHAPE, "model_type": "qwen2", "vocab_size": image_token + 8}
+    config = transformers.LlavaOnevisionConfig(text_config=text, vision_config=_ONEVISION_SIGLIP,
+                                               image_token_id=image_token, image_grid_pinpoints=_PINPOINTS,
+                                               vision_aspect_ratio="anyres_max_2")  # fmt: skip
+    model = save_drawn(folder, transformers.LlavaOnevisionForConditionalGeneration, config, wide_encoder, (0.08, 0.3))
+    LlavaOnevisionImageProcessorPil(size={"height": 28, "width": 28}, image_grid_pinpoints=_PINPOINTS).save_pretrained(
+        folder
+    )
+    return model
+
+
+def llava_onevision_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor]:
+    """transformers' `LlavaOnevisionProcessor` inputs for `prompt` (its images as one prompt's, its video processor
+    left out: it needs torchvision)."""
+    from transformers import AutoImageProcessor, LlavaOnevisionProcessor
+
+    class ImagesOnly(LlavaOnevisionProcessor):  # type: ignore[misc]
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> type:
+            return type(argument)
+
+    tokenizer, text, images = rendered(folder, prompt, PARTS_BY_LOOP)
+    processor = ImagesOnly(AutoImageProcessor.from_pretrained(folder, backend="pil"), tokenizer, video_processor=None,
+                           num_image_tokens=16, vision_feature_select_strategy="full",
+                           vision_aspect_ratio="anyres_max_2")  # fmt: skip
+    inputs: dict[str, torch.Tensor] = processor(text=text, images=[images] if images else None, return_tensors="pt",
+                                                add_special_tokens=False)  # fmt: skip
+    return inputs
+
+
+def test_a_llava_onevision_checkpoint_answers_image_prompts_as_transformers_does(tmp_path: Path) -> None:
+    """LLaVA-OneVision (an image alone in its prompt in tiles on its best grid beside its base view, unpadded, scaled
+    down past its `vision_aspect_ratio`, a newline embedding after each row; each of several images its base view and
+    one newline): the prompt's ids are its processor's; prompts with one image, two and none, batched, whole and in
+    chunks of 5, answer as transformers does; an image alone and among several, in flight together, is encoded for
+    each."""
+    model = save_llava_onevision(tmp_path)
+    prompts = [*(_ONEVISION_PROMPTS[case]() for case in sorted(_ONEVISION_PROMPTS)),
+               ChatPrompt([ChatMessage("user", "No picture here.")])]  # fmt: skip
+    inputs = [llava_onevision_inputs(tmp_path, prompt) for prompt in prompts]
+    image_token = model.config.image_token_id
+    counts = [each["input_ids"][0].tolist().count(image_token) for each in inputs]
+    assert inputs[0]["pixel_values"].shape[1] > 2  # (an image of several tiles beside its base view)
+    assert counts[0] == 16 + 4 * 6 + 4  # (its 2 x 2 tiles' 8 x 8 patches unpadded to 6 x 8, scaled to 4 x 6)
+    assert counts[3] == 2 * (16 + 1)  # (two images: each its base view's 16 and a newline)
+    assert_serves_like(tmp_path, model, prompts, inputs, (2048, 5))
