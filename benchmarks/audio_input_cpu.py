@@ -14,11 +14,11 @@ import argparse
 import io
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import append_result, cpu_model_name, git_commit, utc_timestamp
+from benchmarks import media_input
+from benchmarks.common import append_result
 from benchmarks.vl_checkpoints import save_drawn, vision_tokenizer
 
 NEW = 64
@@ -65,42 +65,16 @@ def save_checkpoint(folder: Path) -> None:
     WhisperFeatureExtractor(feature_size=128).save_pretrained(folder)
 
 
-def ladle_run(folder: Path, quantization: str, clips: list[bytes]) -> dict[str, Any]:
-    """The engine's seconds for one request (whole and to its first token) and for all `clips`' requests at once,
-    and each request's tokens."""
-    from engine_server import LLM, SamplingParams
-    from engine_server.config import EngineConfig, SchedulerConfig
+def prompt(clip: bytes) -> Any:
+    """The benchmark's chat: the clip, then the question."""
     from engine_server.frontend import ChatPrompt
     from engine_server.tokenizer.chat import ChatAudio, ChatMessage
 
-    def prompt(clip: bytes) -> ChatPrompt:
-        return ChatPrompt([ChatMessage("user", content_parts=(ChatAudio(clip), QUESTION))])
-
-    config = EngineConfig(model=str(folder), device="cpu", quantization=quantization,  # type: ignore[arg-type]
-                          scheduler=SchedulerConfig(max_model_len=1024))  # fmt: skip
-    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    with LLM(config=config) as llm:
-        llm.chat([prompt(recording(99))], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # warm up
-        start = time.perf_counter()
-        llm.chat([prompt(clips[0])], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-        first = time.perf_counter() - start
-        llm.core.scheduler.kv_cache.reset_prefix_cache()
-        start = time.perf_counter()
-        (one,) = llm.chat([prompt(clips[0])], params, use_tqdm=False)
-        single = time.perf_counter() - start
-        llm.core.scheduler.kv_cache.reset_prefix_cache()
-        start = time.perf_counter()
-        results = llm.chat([prompt(clip) for clip in clips], params, use_tqdm=False)
-        batched = time.perf_counter() - start
-    tokens = [result.choices[0].token_ids for result in results]
-    assert one.choices[0].token_ids == tokens[0], "a request's tokens alone differ from its tokens batched"
-    return {"first_token_s": first, "single_s": single, "batch_s": batched, "tokens": tokens,
-            "prompt_tokens": len(one.prompt_token_ids)}  # fmt: skip
+    return ChatPrompt([ChatMessage("user", content_parts=(ChatAudio(clip), QUESTION))])
 
 
 def transformers_run(folder: Path, clips: list[bytes]) -> dict[str, Any]:
-    """transformers' seconds for one request (whole and to its first token) and for `clips`' requests one after
-    another, and each request's tokens."""
+    """transformers' timings over `clips` (`media_input.transformers_run`)."""
     import numpy as np
     import soundfile
     import torch
@@ -121,16 +95,7 @@ def transformers_run(folder: Path, clips: list[bytes]) -> dict[str, Any]:
             out = model.generate(**inputs, max_new_tokens=new, min_new_tokens=new, do_sample=False)
         return [int(t) for t in out[0, inputs["input_ids"].shape[1] :]]
 
-    generate(recording(99), 2)  # warm up
-    start = time.perf_counter()
-    generate(clips[0], 1)
-    first = time.perf_counter() - start
-    start = time.perf_counter()
-    generate(clips[0], NEW)
-    single = time.perf_counter() - start
-    start = time.perf_counter()
-    tokens = [generate(clip, NEW) for clip in clips]
-    return {"first_token_s": first, "single_s": single, "batch_s": time.perf_counter() - start, "tokens": tokens}
+    return media_input.transformers_run(generate, clips, recording(99), NEW)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,27 +109,16 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(root) / "qwen2_audio"
         save_checkpoint(folder)
         runs = {"transformers_float": transformers_run(folder, clips)}
-        runs["ladle_float"] = ladle_run(folder, "none", clips)
-        runs["ladle_int8"] = ladle_run(folder, "int8", clips)
+        prompts, warm = [prompt(clip) for clip in clips], prompt(recording(99))
+        runs["ladle_float"] = media_input.ladle_run(folder, "none", prompts, warm, NEW)
+        runs["ladle_int8"] = media_input.ladle_run(folder, "int8", prompts, warm, NEW)
     if runs["ladle_float"]["tokens"] != runs["transformers_float"]["tokens"]:
         print("the float path's tokens differ from transformers'", file=sys.stderr)
         return 1
-    peer = runs["transformers_float"]
-    result = {
-        "benchmark": "audio_input_cpu", "commit": git_commit(), "timestamp": utc_timestamp(), "cpu": cpu_model_name(),
-        "command": command, "model": "qwen2_audio", "text_shape": TEXT, "tower_shape": TOWER, "weights": "random",
-        "clip_seconds": SECONDS, "prompt_tokens": runs["ladle_float"]["prompt_tokens"], "new_tokens": NEW,
-        "requests": args.requests,
-        "seconds": {name: {key: round(run[key], 3) for key in ("first_token_s", "single_s", "batch_s")}
-                    for name, run in runs.items()},
-        "output_tokens_per_s": {name: {"single": round(NEW / run["single_s"], 1),
-                                       "batch": round(args.requests * NEW / run["batch_s"], 1)}
-                                for name, run in runs.items()},
-        "over_transformers": {name: {"first_token": round(peer["first_token_s"] / run["first_token_s"], 2),
-                                     "single": round(peer["single_s"] / run["single_s"], 2),
-                                     "batch": round(peer["batch_s"] / run["batch_s"], 2)}
-                              for name, run in runs.items() if name != "transformers_float"},
-    }  # fmt: skip
+    result = media_input.result_record(
+        "audio_input_cpu", command, runs, args.requests, NEW, model="qwen2_audio", text_shape=TEXT, tower_shape=TOWER,
+        weights="random", clip_seconds=SECONDS,
+    )  # fmt: skip
     print(result)
     if args.out:
         append_result(args.out, result)

@@ -14,11 +14,11 @@ import argparse
 import io
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import append_result, cpu_model_name, git_commit, utc_timestamp
+from benchmarks import media_input
+from benchmarks.common import append_result
 from benchmarks.vl_checkpoints import QWEN_TEMPLATE, save_qwen_vl
 
 NEW = 64
@@ -43,42 +43,16 @@ def picture(seed: int) -> bytes:
     return out.getvalue()
 
 
-def ladle_run(folder: Path, quantization: str, images: list[bytes]) -> dict[str, Any]:
-    """The engine's seconds for one request (whole and to its first token) and for all `images`' requests at once,
-    and each request's tokens."""
-    from engine_server import LLM, SamplingParams
-    from engine_server.config import EngineConfig, SchedulerConfig
+def prompt(image: bytes) -> Any:
+    """The benchmark's chat: the image, then the question."""
     from engine_server.frontend import ChatPrompt
     from engine_server.tokenizer.chat import ChatImage, ChatMessage
 
-    def prompt(image: bytes) -> ChatPrompt:
-        return ChatPrompt([ChatMessage("user", content_parts=(ChatImage(image), QUESTION))])
-
-    config = EngineConfig(model=str(folder), device="cpu", quantization=quantization,  # type: ignore[arg-type]
-                          scheduler=SchedulerConfig(max_model_len=1024))  # fmt: skip
-    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    with LLM(config=config) as llm:
-        llm.chat([prompt(picture(99))], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # warm up
-        start = time.perf_counter()
-        llm.chat([prompt(images[0])], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-        first = time.perf_counter() - start
-        llm.core.scheduler.kv_cache.reset_prefix_cache()
-        start = time.perf_counter()
-        (one,) = llm.chat([prompt(images[0])], params, use_tqdm=False)
-        single = time.perf_counter() - start
-        llm.core.scheduler.kv_cache.reset_prefix_cache()
-        start = time.perf_counter()
-        results = llm.chat([prompt(image) for image in images], params, use_tqdm=False)
-        batched = time.perf_counter() - start
-    tokens = [result.choices[0].token_ids for result in results]
-    assert one.choices[0].token_ids == tokens[0], "a request's tokens alone differ from its tokens batched"
-    return {"first_token_s": first, "single_s": single, "batch_s": batched, "tokens": tokens,
-            "prompt_tokens": len(one.prompt_token_ids)}  # fmt: skip
+    return ChatPrompt([ChatMessage("user", content_parts=(ChatImage(image), QUESTION))])
 
 
 def transformers_run(folder: Path, images: list[bytes]) -> dict[str, Any]:
-    """transformers' seconds for one request (whole and to its first token) and for `images`' requests one after
-    another, and each request's tokens."""
+    """transformers' timings over `images` (`media_input.transformers_run`)."""
     import torch
     import transformers
     from PIL import Image
@@ -102,17 +76,7 @@ def transformers_run(folder: Path, images: list[bytes]) -> dict[str, Any]:
             out = model.generate(**inputs, max_new_tokens=new, min_new_tokens=new, do_sample=False)
         return [int(t) for t in out[0, inputs["input_ids"].shape[1] :]]
 
-    generate(picture(99), 2)  # warm up
-    start = time.perf_counter()
-    generate(images[0], 1)
-    first = time.perf_counter() - start
-    start = time.perf_counter()
-    one = generate(images[0], NEW)
-    single = time.perf_counter() - start
-    start = time.perf_counter()
-    tokens = [generate(image, NEW) for image in images]
-    return {"first_token_s": first, "single_s": single, "batch_s": time.perf_counter() - start, "tokens": tokens,
-            "single_tokens": one}  # fmt: skip
+    return media_input.transformers_run(generate, images, picture(99), NEW)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,27 +90,16 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(root) / "qwen2_5_vl"
         save_qwen_vl(folder, "qwen2_5_vl", TEXT, TOWER, PIXELS, spreads=(0.05, 0.05))
         runs = {"transformers_float": transformers_run(folder, images)}
-        runs["ladle_float"] = ladle_run(folder, "none", images)
-        runs["ladle_int8"] = ladle_run(folder, "int8", images)
+        prompts, warm = [prompt(image) for image in images], prompt(picture(99))
+        runs["ladle_float"] = media_input.ladle_run(folder, "none", prompts, warm, NEW)
+        runs["ladle_int8"] = media_input.ladle_run(folder, "int8", prompts, warm, NEW)
     if runs["ladle_float"]["tokens"] != runs["transformers_float"]["tokens"]:
         print("the float path's tokens differ from transformers'", file=sys.stderr)
         return 1
-    peer = runs["transformers_float"]
-    result = {
-        "benchmark": "image_input_cpu", "commit": git_commit(), "timestamp": utc_timestamp(), "cpu": cpu_model_name(),
-        "command": command, "model": "qwen2_5_vl", "text_shape": TEXT, "tower_shape": TOWER, "weights": "random",
-        "image_pixels": [SIDE, SIDE], "prompt_tokens": runs["ladle_float"]["prompt_tokens"], "new_tokens": NEW,
-        "requests": args.requests,
-        "seconds": {name: {key: round(run[key], 3) for key in ("first_token_s", "single_s", "batch_s")}
-                    for name, run in runs.items()},
-        "output_tokens_per_s": {name: {"single": round(NEW / run["single_s"], 1),
-                                       "batch": round(args.requests * NEW / run["batch_s"], 1)}
-                                for name, run in runs.items()},
-        "over_transformers": {name: {"first_token": round(peer["first_token_s"] / run["first_token_s"], 2),
-                                     "single": round(peer["single_s"] / run["single_s"], 2),
-                                     "batch": round(peer["batch_s"] / run["batch_s"], 2)}
-                              for name, run in runs.items() if name != "transformers_float"},
-    }  # fmt: skip
+    result = media_input.result_record(
+        "image_input_cpu", command, runs, args.requests, NEW, model="qwen2_5_vl", text_shape=TEXT, tower_shape=TOWER,
+        weights="random", image_pixels=[SIDE, SIDE],
+    )  # fmt: skip
     print(result)
     if args.out:
         append_result(args.out, result)

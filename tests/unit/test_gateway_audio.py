@@ -32,11 +32,11 @@ from gateway.media import MediaFetcher
 from gateway.schemas.chat import ChatCompletionRequest
 from gateway.schemas.pooling import EmbeddingRequest
 from gateway.schemas.responses import ResponsesRequest
-from gateway.translate import pooling_to_engine, responses_to_engine, to_engine
-from gateway.translate.media_parts import MediaKind, MediaSource, chat_media_sources, unfetched
+from gateway.translate import pooling_to_engine, responses_to_engine
+from gateway.translate.media_parts import MediaKind, MediaSource, chat_media_sources
 from ladle_cli.main import _gateway_config, build_parser
 from tests.unit.fake_engine import MODEL, FakeEngine, gateway_client, start_fake_engine
-from tests.unit.test_gateway_images import RED, data_url, image_part, text_part
+from tests.unit.test_gateway_images import RED, chat_body, data_url, image_part, refusal, text_part, translated
 
 
 def wav(seconds: float, tone: float = 440.0, rate: int = 16_000) -> bytes:
@@ -66,24 +66,6 @@ def input_audio(data: bytes | str, fmt: str = "wav") -> dict[str, Any]:
 
 def audio_url(url: str) -> dict[str, Any]:
     return {"type": "audio_url", "audio_url": {"url": url}}
-
-
-def chat_body(*content: Any) -> ChatCompletionRequest:
-    return ChatCompletionRequest.model_validate(
-        {"model": MODEL, "messages": [{"role": "user", "content": list(content)}]})
-
-
-def translated(body: ChatCompletionRequest) -> Any:
-    """The engine's chat input of `body`, its inline files decoded as the routes do."""
-    return to_engine.chat_request(body, body.messages, "r", images=unfetched(chat_media_sources(body.messages))
-                                  ).input.chat
-
-
-def refusal(build: Any) -> APIError:
-    with pytest.raises(APIError) as raised:
-        build()
-    assert raised.value.status == 400
-    return raised.value
 
 
 def echo(*files: tuple[str, bytes] | str) -> str:
