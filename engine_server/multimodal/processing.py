@@ -13,10 +13,7 @@ frontend, off the step loop.
 
 from __future__ import annotations
 
-import copy
 import hashlib
-import io
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -27,24 +24,12 @@ import torch
 
 from engine_server.config import ImageInput, MultimodalCheckpoint
 from engine_server.errors import ValidationError
+from engine_server.multimodal.image_files import DEFAULT_MAX_IMAGE_PIXELS, decoded_image
 from engine_server.multimodal.inputs import ImageSpan, MultimodalInputs, image_digest
+from engine_server.multimodal.layouts import PROCESSOR_LAYOUTS, TEXT_LAYOUTS, image_runs, layout_processor
 from engine_server.multimodal.qwen_vl import mrope_positions
 
-# Pixels one image may decode to (its width times height): a 40-megapixel photo fits; a few kilobytes of PNG that
-# claim a billion pixels (a decompression bomb) do not, and are refused before they are decoded.
-DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
-_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _PROCESSOR_CONFIG = "preprocessor_config.json"
-# The kinds whose own processor lays an image's tokens out (`_layout_processor`).
-_PROCESSOR_LAYOUTS = (
-    "llava_next", "llava_next_video", "llava_onevision", "aya_vision", "deepseek_vl", "janus", "deepseek_vl_hybrid",
-)
-# The kinds whose own processor lays the images out in the whole prompt's text (`prompt_ids`): Idefics 2's (adjacent
-# images share the `<fake_token_around_image>` between them; text right after one starts with a space).
-_TEXT_LAYOUTS = ("idefics2",)
-# The processors of the kinds whose image is a fixed number of tokens (`ImageInput.extra_tokens`).
-_FIXED_COUNT_PROCESSORS = {"deepseek_vl": "DeepseekVLProcessor", "janus": "JanusProcessor",
-                           "deepseek_vl_hybrid": "DeepseekVLHybridProcessor"}  # fmt: skip
 # Keeps the digest of a LLaVA-OneVision image laid out as its base view alone (a prompt's several images) apart from
 # the same file's laid out in tiles (`ImageSpan.digest`: running requests share an image's features by it).
 _BASE_VIEW_DOMAIN = b"ladle.v1 base view\0"
@@ -88,10 +73,10 @@ class ImageProcessing:
         processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
         rows, image = _mark_ids(spec.row_marks, tokenizer, folder), _mark_ids(spec.image_marks, tokenizer, folder)
         processing = cls(spec, processor, row_marks=rows, image_marks=image)
-        if spec.encoder in (*_PROCESSOR_LAYOUTS, *_TEXT_LAYOUTS):  # (its processor lays an image's tokens out)
+        if spec.encoder in (*PROCESSOR_LAYOUTS, *TEXT_LAYOUTS):  # (its processor lays an image's tokens out)
             if tokenizer is None:
                 raise ValueError(f"{spec.encoder} images need the tokenizer for their layout")
-            processing.layout = _layout_processor(spec, processor, tokenizer)
+            processing.layout = layout_processor(spec, processor, tokenizer)
         if spec.split_rows:
             if tokenizer is None:
                 raise ValueError(f"{spec.encoder} images need the tokenizer for their prompt text")
@@ -109,8 +94,8 @@ class ImageProcessing:
     def prompt_ids(self, text: str, encode: Callable[[str], list[int]]) -> list[int]:
         """The ids of a chat's rendered `text` whose turns hold images, as `prepare` takes them: `encode(text)` (the
         tokenizer's), Gemma 3's text expanded first (`expand_text`); where the model's processor lays its images out
-        in the text (`_TEXT_LAYOUTS`: Idefics 2's), that processor's ids of the text."""
-        if self.spec.encoder in _TEXT_LAYOUTS:
+        in the text (`TEXT_LAYOUTS`: Idefics 2's), that processor's ids of the text."""
+        if self.spec.encoder in TEXT_LAYOUTS:
             return [int(token) for token in self.layout(text=text, add_special_tokens=False)["input_ids"][0]]
         return encode(self.expand_text(text))
 
@@ -120,7 +105,7 @@ class ImageProcessing:
         ValidationError for a file that is no image, one too large, or a prompt whose placeholders do not match the
         images one for one (a turn's text that spells the placeholder itself)."""
         image_token = self.spec.image_token_id
-        if self.spec.text_marks is not None or self.spec.encoder in _TEXT_LAYOUTS:
+        if self.spec.text_marks is not None or self.spec.encoder in TEXT_LAYOUTS:
             return self._prepare_expanded(token_ids, images)
         if self.spec.cross_attention:
             return self._prepare_cross(token_ids, images)
@@ -160,7 +145,7 @@ class ImageProcessing:
         next of its tiles' runs of `extra_tokens` image tokens (Gemma 3's one run; Idefics 2's one a tile, one
         `<fake_token_around_image>` apart), its span from its first image token to its last."""
         image_token, count = self.spec.image_token_id, self.spec.extra_tokens
-        runs = _image_runs(token_ids, image_token)
+        runs = image_runs(token_ids, image_token)
         tiled = [self._tiles(self._processed(image)) for image in images]
         groups, first = [], 0
         for _, _, tiles in tiled:
@@ -237,7 +222,7 @@ class ImageProcessing:
             return [image_token] * (size[0] * size[1] * size[2] // merge**2), (), pixels, size
         if self.spec.split_rows:  # Idefics 3's and SmolVLM's: the processor's text for its rows of tiles
             return self._split_rows(processed)
-        if self.spec.encoder in _PROCESSOR_LAYOUTS:  # the processor's own layout (LLaVA-NeXT's: the image's size)
+        if self.spec.encoder in PROCESSOR_LAYOUTS:  # the processor's own layout (LLaVA-NeXT's: the image's size)
             tokens = [int(t) for t in processed["input_ids"][0]]
             sizes = processed.get("image_sizes")
             original = None if sizes is None else (int(sizes[0][0]), int(sizes[0][1]))
@@ -245,7 +230,7 @@ class ImageProcessing:
             high = processed.get("high_res_pixel_values")
             if high is not None:  # (DeepSeek-VL hybrid's two views: flattened one after the other, their sides a grid)
                 pixels, original = torch.cat([pixels.flatten(), high.flatten()]), (pixels.shape[-1], high.shape[-1])
-            return tokens, _image_runs(tokens, image_token), pixels, original
+            return tokens, image_runs(tokens, image_token), pixels, original
         if self.image_marks is not None:  # InternVL's: its tiles' tokens between its start and end tokens
             count = self.spec.extra_tokens * int(pixels.shape[0])
             start, end = self.image_marks
@@ -277,7 +262,7 @@ class ImageProcessing:
             getattr(tokenizer, "image_token", "<image>"), getattr(tokenizer, "global_image_token", "<global-img>"),
         )  # fmt: skip
         tokens = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
-        return tokens, _image_runs(tokens, image_token), processed["pixel_values"][0], None
+        return tokens, image_runs(tokens, image_token), processed["pixel_values"][0], None
 
     def _processed_together(self, images: Sequence[PromptImage]) -> list[dict[str, Any]]:
         """LLaVA-OneVision's processor's output for a prompt's several images, an image's part each: its processor
@@ -295,10 +280,10 @@ class ImageProcessing:
         """The processor's output for one image file (its first frame): `pixel_values`, and the Qwen-VL processors'
         `image_grid_thw`."""
         rgb = self._decoded(image)
-        if self.spec.encoder in _PROCESSOR_LAYOUTS:  # (its processor: the tiles and the placeholder's expansion alike)
+        if self.spec.encoder in PROCESSOR_LAYOUTS:  # (its processor: the tiles and the placeholder's expansion alike)
             placeholder = self.spec.placeholder or self.layout.tokenizer.convert_ids_to_tokens(self.spec.image_token_id)
             return self.layout(text=placeholder, images=[rgb], return_tensors="pt", add_special_tokens=False)
-        if self.spec.encoder in _TEXT_LAYOUTS:  # (Idefics 2's: its tiles padded to the largest, their pixel masks)
+        if self.spec.encoder in TEXT_LAYOUTS:  # (Idefics 2's: its tiles padded to the largest, their pixel masks)
             return self.processor(images=[[rgb]], return_tensors="pt", do_pad=True)
         if self.spec.split_rows:  # (Idefics 3's and SmolVLM's: with its rows and columns of tiles)
             return self.processor(images=[[rgb]], return_tensors="pt", return_row_col_info=True)
@@ -312,83 +297,8 @@ class ImageProcessing:
         return self.processor(images=[rgb], return_tensors="pt")
 
     def _decoded(self, image: PromptImage) -> Any:
-        """One image file's first frame as an RGB PIL image; ValidationError for one that is no image or too large."""
-        from PIL import Image, UnidentifiedImageError
-
-        try:
-            with Image.open(io.BytesIO(image.data), formats=_FORMATS) as opened:
-                width, height = opened.size
-                if width * height > self.max_image_pixels:
-                    raise ValidationError(
-                        f"the image is {width}x{height} pixels; at most {self.max_image_pixels} pixels are read",
-                        image.param,
-                    )
-                with warnings.catch_warnings():  # (Pillow's bomb warning: the size was checked above)
-                    warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                    rgb = opened.convert("RGB")
-        except ValidationError:
-            raise
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as error:
-            raise ValidationError(
-                f"the image cannot be read ({error}); send a PNG, JPEG, WebP, GIF or BMP file", image.param
-            ) from None
-        return rgb
-
-
-def _layout_processor(spec: ImageInput, image_processor: Any, tokenizer: Any) -> Any:
-    """The model's own processor, which lays an image's tokens out (`_PROCESSOR_LAYOUTS`, `_TEXT_LAYOUTS`), over its
-    PIL image processor and `tokenizer`, its sizes the model's: LLaVA-NeXT's and LLaVA-OneVision's (as many tokens as
-    its tiles unpad to; OneVision's without its video processor, which needs torchvision), Aya Vision's (tiles of
-    `<|IMG_PATCH|>` tokens after their tile tokens, then the global view's), Idefics 2's (`<fake_token_around_image>`,
-    `extra_tokens` image tokens a tile, `<fake_token_around_image>`; over a copy of the tokenizer, to which it adds its
-    tokens: ValueError where the tokenizer lacks any), DeepSeek-VL's (`extra_tokens` image tokens an image; its
-    tokenizer names its image token, `tokenizer.image_token`, else ValueError), DeepSeek-VL hybrid's (the same),
-    Janus's (the same between its `tokenizer.boi_token` and `tokenizer.eoi_token`)."""
-    import transformers
-
-    if spec.encoder == "idefics2":
-        own = copy.deepcopy(tokenizer)
-        processor = transformers.Idefics2Processor(image_processor, own, image_seq_len=spec.extra_tokens)
-        if len(own) != len(tokenizer):
-            raise ValueError("the tokenizer lacks Idefics 2's tokens (<fake_token_around_image>, <image>, "
-                             "<end_of_utterance>) for its images")  # fmt: skip
-        return processor
-    if spec.encoder in ("llava_next", "llava_next_video"):  # (LLaVA-NeXT-Video's images are LLaVA-NeXT's)
-        return transformers.LlavaNextProcessor(
-            image_processor, tokenizer, patch_size=spec.patch_size, vision_feature_select_strategy="full",
-            num_additional_image_tokens=spec.extra_tokens,
-        )  # fmt: skip
-    if spec.encoder in _FIXED_COUNT_PROCESSORS:
-        names = ("image_token", "boi_token", "eoi_token") if spec.encoder == "janus" else ("image_token",)
-        if any(getattr(tokenizer, name, None) is None for name in names):  # (its processor reads them by these names)
-            raise ValueError(f"{spec.encoder} images need a tokenizer that names its {', '.join(names)}")
-        processor = getattr(transformers, _FIXED_COUNT_PROCESSORS[spec.encoder])
-        return processor(image_processor, tokenizer, num_image_tokens=spec.extra_tokens)
-    if spec.encoder == "llava_onevision":
-
-        class ImagesOnly(transformers.LlavaOnevisionProcessor):  # (no video processor: it needs torchvision)
-            def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> type:
-                return type(argument)
-
-        return ImagesOnly(
-            image_processor, tokenizer, video_processor=None, num_image_tokens=spec.extra_tokens,
-            vision_feature_select_strategy="full", vision_aspect_ratio=spec.vision_aspect_ratio,
-        )  # fmt: skip
-    side = int(image_processor.size["height"])  # (Aya Vision's tiles: the tower's image size)
-    return transformers.AyaVisionProcessor(image_processor, tokenizer, img_size=side,
-                                           patch_size=spec.patch_size * spec.merge_size)  # fmt: skip
-
-
-def _image_runs(tokens: Sequence[int], image_token: int) -> tuple[tuple[int, int], ...]:
-    """The runs (offset, length) of `image_token` in an image's `tokens`."""
-    runs, start = [], None
-    for index, token in enumerate([*tokens, -1]):
-        if token == image_token and start is None:
-            start = index
-        elif token != image_token and start is not None:
-            runs.append((start, index - start))
-            start = None
-    return tuple(runs)
+        """One image file's first frame as an RGB PIL image (`image_files.decoded_image`)."""
+        return decoded_image(image.data, image.param, self.max_image_pixels)
 
 
 def _mark_ids(marks: tuple[str, str] | None, tokenizer: Any, folder: Path) -> tuple[int, int] | None:
