@@ -13,7 +13,8 @@ route would also accept. A generation line's `model` may name a LoRA adapter the
 its requests carry it, and its response names it; a pooling line naming one is refused, as the routes refuse it.
 A chat or responses line's images (and a chat line's audio clips: `image_sources`) are checked here (a data: URL
 or input_audio data decoded, an http(s) URL's form) and fetched only when the line runs (`line_media`): a fetch
-that fails is that line's error line.
+that fails is that line's error line. A responses line's input_image given by file_id is refused (a line is not
+read against its project's files).
 Validation never raises for a line's content: whatever is wrong with a line (JSON nested too deep for the parser,
 a lone UTF-16 surrogate that no UTF-8 file or protobuf can carry, a value the engine request cannot hold) becomes
 that line's `LineError`, and a line that validates can be sent to the engine and written to the result files.
@@ -30,7 +31,7 @@ import pydantic
 import structlog
 
 from gateway import json_output
-from gateway.errors import APIError, unknown_model_message, validation_param
+from gateway.errors import APIError, invalid, unknown_model_message, validation_param
 from gateway.schemas.chat import ChatCompletionRequest
 from gateway.schemas.completions import CompletionRequest
 from gateway.schemas.pooling import EmbeddingRequest, RerankRequest, ScoreRequest
@@ -253,12 +254,17 @@ def line_adapter(line: InputLine, model: str) -> str:
 
 def image_sources(line: InputLine) -> list[MediaSource]:
     """The images a chat or responses line holds, and a chat line's audio clips (none for the other endpoints),
-    named as the route names them."""
+    named as the route names them; 400 for a responses line's input_image given by file_id (not read in batches)."""
     body = line.body
     if isinstance(body, ChatCompletionRequest):
         return chat_media_sources(body.messages)
     if isinstance(body, ResponsesRequest) and not isinstance(body.input, str):
-        return responses_to_engine.image_sources([], responses_to_engine.input_items(body), "input")
+        items = responses_to_engine.input_items(body)
+        by_file = responses_to_engine.file_image_sources([], items, "input")
+        if by_file:  # a batch's lines are not read against its project's files
+            raise invalid("an input_image given by file_id is not read in a batch line; give it as image_url (a "
+                          "data: URL or an http(s) URL)", by_file[0].param)
+        return responses_to_engine.image_sources([], items, "input")
     return []
 
 

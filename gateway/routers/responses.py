@@ -5,12 +5,15 @@ its project (another project's id is answered as unknown, 404). The conversions 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query
 
 from gateway import calls, sse
+from gateway.batches.service import BatchService
 from gateway.deps import (
+    Batches,
     CallId,
     HttpRequest,
     Media,
@@ -27,6 +30,7 @@ from gateway.deps import (
 )
 from gateway.engines import EnginePool
 from gateway.errors import invalid
+from gateway.file_images import read_file_images
 from gateway.json_output import FiniteJSONResponse
 from gateway.media import MediaFetcher
 from gateway.responses import truncation
@@ -45,7 +49,7 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 @router.post(ROUTE, response_model=None, responses=sse.STREAMING_RESPONSES)
 async def create_response(
     body: ResponsesRequest, pool: Pool, metrics: Metrics, rid: CallId, project: Project, responses: Responses,
-    http: HttpRequest, media: Media,
+    http: HttpRequest, media: Media, batches: Batches,
 ) -> Any:
     served = served_model(pool, body.model)
     model = served.id
@@ -54,7 +58,8 @@ async def create_response(
         raise invalid("background responses must be stored: send store: true (the default)", "store")
     if body.background and body.stream:
         raise invalid("streaming a background response is not supported; poll GET /v1/responses/{id}", "stream")
-    items, conversation, request = await _engine_request(body, served, pool, rid, project, responses, media)
+    items, conversation, request = await _engine_request(body, served, pool, rid, project, responses,
+                                                         _Media(media, batches))
     want_logprobs = request.sampling.logprobs
     response_id = new_id(RESPONSE_PREFIX)
     if body.background:
@@ -81,7 +86,8 @@ async def create_response(
 
 @router.post(ROUTE + "/input_tokens", response_model=None)
 async def count_input_tokens(
-    body: InputTokensRequest, pool: Pool, rid: CallId, project: Project, responses: Responses, media: Media
+    body: InputTokensRequest, pool: Pool, rid: CallId, project: Project, responses: Responses, media: Media,
+    batches: Batches,
 ) -> Any:
     """How many input tokens a response to `body` would read (OpenAI's `POST /v1/responses/input_tokens`): its
     conversation (a stored `conversation`'s items or the chain `previous_response_id` names, then the body's input,
@@ -89,23 +95,37 @@ async def count_input_tokens(
     `truncation: "auto"` when asked. Nothing is generated, stored or counted against the project's limits."""
     served = served_or_default(pool, body.model)
     _, _, request = await _engine_request(body.model_copy(update={"model": served.id}), served, pool, rid, project,
-                                          responses, media)
+                                          responses, _Media(media, batches))
     reply = await calls.tokenize(pool, engine_pb2.TokenizeRequest(input=request.input))
     return {"object": "response.input_tokens", "input_tokens": len(reply.token_ids)}
 
 
+@dataclass(frozen=True)
+class _Media:
+    """Where a request's images come from: URLs through `fetcher` (which also holds the image cap), files of the
+    project through `batches` (its file records and blob store)."""
+
+    fetcher: MediaFetcher
+    batches: BatchService
+
+
 async def _engine_request(
     body: ResponsesRequest, served: ServedModel, pool: EnginePool, rid: str, project: str, responses: ResponseService,
-    media: MediaFetcher,
+    media: _Media,
 ) -> tuple[list[dict[str, Any]], str | None, engine_pb2.GenerateRequest]:
     """`body`'s own input items, the stored conversation it continues (None: none), and the engine request for its
     whole conversation (a conversation's items or a previous_response_id chain's, then its own; their images
-    fetched), with `truncation: "auto"` applied."""
+    fetched by URL, then read by file_id from the project's files, each time again), with `truncation: "auto"`
+    applied."""
     items = responses_to_engine.input_items(body)
     conversation = responses_to_engine.conversation_id(body)
     history = await responses.history(body.previous_response_id, conversation, project)
     history_param = "conversation" if conversation is not None else "previous_response_id"
-    images = await media.fetch(responses_to_engine.image_sources(history, items, history_param))
+    images = await media.fetcher.fetch(responses_to_engine.image_sources(history, items, history_param))
+    file_sources = responses_to_engine.file_image_sources(history, items, history_param)
+    if file_sources:
+        batches = media.batches
+        images |= await read_file_images(file_sources, batches.files, batches.blobs, project, media.fetcher.max_bytes)
     request = responses_to_engine.generate_request(body, history + items, rid, cache_salt=project_cache_salt(project),
                                                    adapter=served.adapter, images=images)
     if body.truncation == "auto":

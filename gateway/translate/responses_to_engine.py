@@ -5,16 +5,18 @@ function calls and their outputs), after the items of the stored responses it co
 or of its stored `conversation` (both resolved by the caller), become the conversation; `instructions` its system
 message; `text.format`, `tools`, `tool_choice`, `reasoning.effort` and `max_output_tokens` the chat fields they
 stand for. The chat request is built with the chat route's own schema and `to_engine.chat_request`, so both routes
-check and send the same things. A message's `input_image` parts with an `image_url` (a data: or http(s) URL) become
-the chat's image parts, their bytes fetched by the route first (`image_sources`, `gateway.media`). What ladle
-cannot do (images by `file_id`, files, audio, hosted tools such as web_search, stored prompts) is a 400 naming the
-field.
+check and send the same things. A message's `input_image` parts become the chat's image parts: one with an
+`image_url` (a data: or http(s) URL) has its bytes fetched by the route first (`image_sources`, `gateway.media`);
+one with a `file_id` (a file of the caller's project) has its file read by the route first (`file_image_sources`,
+`gateway.file_images`), its bytes keyed by `file_image_key`. A part gives one of the two, never both. What ladle
+cannot do (input files, audio, hosted tools such as web_search, stored prompts) is a 400 naming the field.
 """
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pydantic
@@ -39,6 +41,22 @@ _AUDIO_PARTS = frozenset({"input_audio", "audio_url"})  # chat's audio parts: re
 _ID_PREFIXES = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
 _ROLES = frozenset({"user", "system", "developer", "assistant"})
 MAX_ITEM_ID = 128  # characters of an item id a client chooses (the stored column's width)
+# The key of a file_id image's bytes in `MediaBytes`: no data: or http(s) URL starts so, so the two never collide.
+FILE_IMAGE_KEY_PREFIX = "ladle-file-id:"
+
+
+@dataclass(frozen=True)
+class FileImageSource:
+    """An input_image given by `file_id`: the file (of the caller's project) and the field that names it (the
+    400's param: `input[i].content[j].file_id`, or previous_response_id / conversation for a stored item)."""
+
+    file_id: str
+    param: str
+
+
+def file_image_key(file_id: str) -> str:
+    """The `MediaBytes` key under which the route hands over the bytes of the image file `file_id`."""
+    return FILE_IMAGE_KEY_PREFIX + file_id
 
 
 def new_item_id(kind: str) -> str:
@@ -121,13 +139,19 @@ def _text_of_part(part: Any, where: str, readable: str = "text") -> str:
 
 
 def _image_url(part: dict[str, Any], where: str) -> str:
-    """An input_image part's URL, its scheme checked (data: or http(s)); 400 for an image given by file_id."""
-    url = part.get("image_url")
+    """The `MediaBytes` key of an input_image part's bytes: its `image_url`, its scheme checked (data: or
+    http(s)), or `file_image_key` of its `file_id` (a non-empty string). 400 naming `where.file_id` when both are
+    given (OpenAI takes one), `where.image_url` when neither is, or the one given is malformed."""
+    url, file_id = part.get("image_url"), part.get("file_id")
+    if url is not None and file_id is not None:
+        raise invalid(f"{where}: an input_image gives either image_url or file_id, not both", f"{where}.file_id")
+    if file_id is not None:
+        if not isinstance(file_id, str) or not file_id:
+            raise invalid(f"{where}.file_id must be the id of an uploaded file", f"{where}.file_id")
+        return file_image_key(file_id)
     if not isinstance(url, str) or not url:
-        if part.get("file_id") is not None:
-            raise invalid(f"{where}: an input_image given by file_id is not supported; send it as image_url (a "
-                          "data: URL or an http(s) URL)", f"{where}.file_id")
-        raise invalid(f"{where}.image_url must be a data: URL or an http(s) URL", f"{where}.image_url")
+        raise invalid(f"{where}.image_url must be a data: URL or an http(s) URL (or give file_id)",
+                      f"{where}.image_url")
     url_kind(ImageSource(url, f"{where}.image_url"))
     return url
 
@@ -140,7 +164,7 @@ def _message_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
     """A message item's parts as chat content: its text joined, or, with an image among them, chat parts in order."""
     if not any(part.get("type") == _IMAGE_PART for part in parts):
         return _joined(parts)
-    return [{"type": "image_url", "image_url": {"url": part["image_url"], "detail": part.get("detail")}}
+    return [{"type": "image_url", "image_url": {"url": _image_url(part, "content"), "detail": part.get("detail")}}
             if part.get("type") == _IMAGE_PART else {"type": "text", "text": _text_of_part(part, "content")}
             for part in parts]
 
@@ -156,6 +180,25 @@ def image_sources(
         for j, url in _indexed_image_urls(item):
             sources.append(ImageSource(url, f"input[{i}].content[{j}].image_url"))
     return sources
+
+
+def file_image_sources(
+    history: Sequence[dict[str, Any]], items: Sequence[dict[str, Any]], history_param: str
+) -> list[FileImageSource]:
+    """Every input_image given by file_id of a conversation, in order, named as `image_sources` names URLs: those
+    of the stored `history` by `history_param`, then the body's own `items`' (`input[i].content[j].file_id`)."""
+    sources = [FileImageSource(file_id, history_param) for item in history for _, file_id in _indexed_file_ids(item)]
+    for i, item in enumerate(items):
+        for j, file_id in _indexed_file_ids(item):
+            sources.append(FileImageSource(file_id, f"input[{i}].content[{j}].file_id"))
+    return sources
+
+
+def _indexed_file_ids(item: dict[str, Any]) -> list[tuple[int, str]]:
+    if item["type"] != "message":
+        return []
+    return [(j, part["file_id"]) for j, part in enumerate(item["content"])
+            if part.get("type") == _IMAGE_PART and isinstance(part.get("file_id"), str)]
 
 
 def _image_urls(items: Iterable[dict[str, Any]]) -> Iterable[str]:

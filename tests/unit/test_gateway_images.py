@@ -536,7 +536,7 @@ async def test_the_responses_route_takes_input_images(
 
 
 @pytest.mark.parametrize(("part", "param"), [
-    ({"type": "input_image", "file_id": "file-1"}, "input[0].content[0].file_id"),
+    ({"type": "input_image", "file_id": "file-1", "image_url": "u"}, "input[0].content[0].file_id"),
     ({"type": "input_image", "image_url": "u"}, "input[0].content[0].image_url"),
     ({"type": "input_image"}, "input[0].content[0].image_url"),
     ({"type": "input_file", "file_id": "file-1"}, "input[0].content[0].type"),
