@@ -108,12 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as root:
         folder = Path(root) / "qwen2_audio"
         save_checkpoint(folder)
-        runs = {"transformers_float": transformers_run(folder, clips)}
-        prompts, warm = [prompt(clip) for clip in clips], prompt(recording(99))
-        runs["ladle_float"] = media_input.ladle_run(folder, "none", prompts, warm, NEW)
-        runs["ladle_int8"] = media_input.ladle_run(folder, "int8", prompts, warm, NEW)
-    if runs["ladle_float"]["tokens"] != runs["transformers_float"]["tokens"]:
-        print("the float path's tokens differ from transformers'", file=sys.stderr)
+        peer = transformers_run(folder, clips)
+        runs = media_input.compared_runs(folder, peer, [prompt(clip) for clip in clips], prompt(recording(99)), NEW)
+    if runs is None:
         return 1
     result = media_input.result_record(
         "audio_input_cpu", command, runs, args.requests, NEW, model="qwen2_audio", text_shape=TEXT, tower_shape=TOWER,

@@ -89,12 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as root:
         folder = Path(root) / "qwen2_5_vl"
         save_qwen_vl(folder, "qwen2_5_vl", TEXT, TOWER, PIXELS, spreads=(0.05, 0.05))
-        runs = {"transformers_float": transformers_run(folder, images)}
-        prompts, warm = [prompt(image) for image in images], prompt(picture(99))
-        runs["ladle_float"] = media_input.ladle_run(folder, "none", prompts, warm, NEW)
-        runs["ladle_int8"] = media_input.ladle_run(folder, "int8", prompts, warm, NEW)
-    if runs["ladle_float"]["tokens"] != runs["transformers_float"]["tokens"]:
-        print("the float path's tokens differ from transformers'", file=sys.stderr)
+        peer = transformers_run(folder, images)
+        runs = media_input.compared_runs(folder, peer, [prompt(image) for image in images], prompt(picture(99)), NEW)
+    if runs is None:
         return 1
     result = media_input.result_record(
         "image_input_cpu", command, runs, args.requests, NEW, model="qwen2_5_vl", text_shape=TEXT, tower_shape=TOWER,

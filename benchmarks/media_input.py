@@ -4,6 +4,7 @@ the result record with each path's ratio over transformers."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -57,6 +58,20 @@ def transformers_run(
     start = time.perf_counter()
     tokens = [generate(item, new) for item in items]
     return {"first_token_s": first, "single_s": single, "batch_s": time.perf_counter() - start, "tokens": tokens}
+
+
+def compared_runs(
+    folder: Path, transformers: dict[str, Any], prompts: Sequence[Prompt], warm: Prompt, new: int
+) -> dict[str, dict[str, Any]] | None:
+    """transformers' run (`transformers_run`'s) beside the engine's float and int8 runs of `prompts` on `folder`; None,
+    said on stderr, where the float path's tokens differ from transformers' (the benchmark then fails)."""
+    runs = {"transformers_float": transformers}
+    runs["ladle_float"] = ladle_run(folder, "none", prompts, warm, new)
+    runs["ladle_int8"] = ladle_run(folder, "int8", prompts, warm, new)
+    if runs["ladle_float"]["tokens"] != transformers["tokens"]:
+        print("the float path's tokens differ from transformers'", file=sys.stderr)
+        return None
+    return runs
 
 
 def result_record(benchmark: str, command: str, runs: dict[str, dict[str, Any]], requests: int, new: int,
