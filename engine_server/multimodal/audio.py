@@ -85,8 +85,8 @@ class AudioProcessing:
     def prepare(self, token_ids: Sequence[int], clips: Sequence[PromptAudio]) -> tuple[list[int], MultimodalInputs]:
         """`token_ids` with each clip's placeholder expanded to its tokens, and the clips as the encoder takes them (its
         windows' features, each window's valid frames its grid). ValidationError for a file that is no audio, an empty
-        clip, one longer than the model hears, or a prompt
-        whose placeholders do not match the clips one for one (a turn's text that spells the audio token itself)."""
+        clip, one longer than the model hears, or a prompt whose placeholders do not match the clips one for one (a
+        turn's text that spells the audio token itself)."""
         places = [i for i, token in enumerate(token_ids) if token == self.spec.audio_token_id]
         if len(places) != len(clips):
             raise ValidationError(
