@@ -31,7 +31,7 @@ import torch
 from engine_server.config import AudioInput, MultimodalCheckpoint
 from engine_server.errors import ValidationError
 from engine_server.multimodal.checkpoint import CheckpointEncoder
-from engine_server.multimodal.inputs import ImageSpan, MultimodalInputs, image_digest
+from engine_server.multimodal.inputs import ImageSpan, MultimodalInputs, image_digest, placeholder_places
 
 _PROCESSOR_CONFIG = "preprocessor_config.json"
 # The processor's own settings (transformers' `processor_config.json`: Audio Flamingo 3's `max_audio_len`), where saved.
@@ -87,12 +87,7 @@ class AudioProcessing:
         windows' features, each window's valid frames its grid). ValidationError for a file that is no audio, an empty
         clip, one longer than the model hears, or a prompt whose placeholders do not match the clips one for one (a
         turn's text that spells the audio token itself)."""
-        places = [i for i, token in enumerate(token_ids) if token == self.spec.audio_token_id]
-        if len(places) != len(clips):
-            raise ValidationError(
-                f"the prompt holds {len(places)} audio placeholders for {len(clips)} clips: a message's text may not "
-                "spell the model's audio token itself", "messages",
-            )  # fmt: skip
+        places = placeholder_places(token_ids, self.spec.audio_token_id, len(clips), "audio", "clips")
         out: list[int] = []
         spans = []
         done = 0

@@ -5,6 +5,7 @@ encoders' base, which names its prefixes (`parts`) and builds itself from the co
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -47,7 +48,7 @@ def load_encoder(
     return encoder.to(device=device, dtype=dtype).eval()
 
 
-class CheckpointEncoder(nn.Module):
+class CheckpointEncoder(nn.Module, ABC):
     """A vision encoder whose parameters are the checkpoint's tensors under `parts` (transformers 5's `model.` prefix
     dropped: the released names). A subclass builds itself from the composite config (`__init__(composite)`) and
     encodes one image (`multimodal.features.ImageEncoder`)."""
@@ -61,7 +62,7 @@ class CheckpointEncoder(nn.Module):
         """The encoder of the checkpoint in `folder`, loaded from `weights` (the text model's passed over unread)."""
         return load_encoder(cls, folder, weights, cls.parts, dtype, device)
 
+    @abstractmethod
     def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
         """One image's processed pixels and grid -> its tokens' embeddings (`multimodal.features.ImageEncoder`)."""
-        raise NotImplementedError
 

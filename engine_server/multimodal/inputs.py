@@ -10,10 +10,13 @@ embeddings (the model never reads the placeholder id's own row). A chunk of the 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+
+from engine_server.errors import ValidationError
 
 _DIGEST_DOMAIN = b"ladle.v1 images\0"  # keeps the images' digest apart from any other hash input
 
@@ -116,6 +119,19 @@ class MultimodalInputs:
                     rows.append(ChunkImageRows(index, feature + first - run, last - first, first - start))
                 feature += run_length
         return rows
+
+
+def placeholder_places(token_ids: Sequence[int], token: int, count: int, kind: str, items: str) -> list[int]:
+    """The prompt positions of the placeholder `token` (a `kind`'s: "image", "audio"), one for each of the prompt's
+    `count` `items`; ValidationError where they do not match one for one (a turn's text that spells the placeholder
+    itself)."""
+    places = [i for i, each in enumerate(token_ids) if each == token]
+    if len(places) != count:
+        raise ValidationError(
+            f"the prompt holds {len(places)} {kind} placeholders for {count} {items}: a message's text may not spell "
+            f"the model's {kind} token itself", "messages",
+        )  # fmt: skip
+    return places
 
 
 def image_digest(data: bytes) -> bytes:

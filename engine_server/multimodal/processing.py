@@ -25,7 +25,7 @@ import torch
 from engine_server.config import ImageInput, MultimodalCheckpoint
 from engine_server.errors import ValidationError
 from engine_server.multimodal.image_files import DEFAULT_MAX_IMAGE_PIXELS, decoded_image
-from engine_server.multimodal.inputs import ImageSpan, MultimodalInputs, image_digest
+from engine_server.multimodal.inputs import ImageSpan, MultimodalInputs, image_digest, placeholder_places
 from engine_server.multimodal.layouts import PROCESSOR_LAYOUTS, TEXT_LAYOUTS, image_runs, layout_processor
 from engine_server.multimodal.qwen_vl import mrope_positions
 
@@ -112,12 +112,7 @@ class ImageProcessing:
         placeholder = image_token
         if self.spec.placeholder is not None:
             placeholder = int(self.layout.tokenizer.convert_tokens_to_ids(self.spec.placeholder))
-        places = [i for i, token in enumerate(token_ids) if token == placeholder]
-        if len(places) != len(images):
-            raise ValidationError(
-                f"the prompt holds {len(places)} image placeholders for {len(images)} images: a message's text may "
-                "not spell the model's image token itself", "messages",
-            )  # fmt: skip
+        places = placeholder_places(token_ids, placeholder, len(images), "image", "images")
         out: list[int] = []
         spans = []
         done = 0
@@ -177,12 +172,7 @@ class ImageProcessing:
         )
 
         image_token = self.spec.image_token_id
-        places = [i for i, token in enumerate(token_ids) if token == image_token]
-        if len(places) != len(images):
-            raise ValidationError(
-                f"the prompt holds {len(places)} image placeholders for {len(images)} images: a message's text may "
-                "not spell the model's image token itself", "messages",
-            )  # fmt: skip
+        places = placeholder_places(token_ids, image_token, len(images), "image", "images")
         spans, tiles = [], []
         for place, image in zip(places, images, strict=True):
             processed = self._processed(image)

@@ -194,21 +194,19 @@ class StepSender:
         image_rows = meta.host_image_rows if meta.host_image_rows is not None else image_rows
         mrope = meta.host_mrope_positions if meta.host_mrope_positions is not None else meta.mrope_positions
         blocks = meta.image_blocks or []
-        image_parts = [
-            torch.empty(0, dtype=torch.int64) if image_rows is None else image_rows,
-            torch.empty(0, dtype=torch.int64) if mrope is None else mrope.reshape(-1),
-            torch.tensor([[b.sequence, b.first_row, b.first_position, b.count, b.end] for b in blocks],
-                         dtype=torch.int64).reshape(-1),
-        ]  # fmt: skip
+        image_parts = [part for part in (image_rows, None if mrope is None else mrope.reshape(-1)) if part is not None]
+        if blocks:
+            image_parts.append(torch.tensor([[b.sequence, b.first_row, b.first_position, b.count, b.end]
+                                             for b in blocks], dtype=torch.int64).reshape(-1))  # fmt: skip
         if embeds is not None and self._broadcast is None:
             raise RuntimeError("a step with images' embeddings needs the sender's broadcast to reach the workers")
         parts = [input_ids, positions, starts, torch.tensor(meta.seq_lens_cpu, dtype=torch.int64),
-                 tables.reshape(-1), slots, state_slots, copied, *image_parts]  # fmt: skip
+                 tables.reshape(-1), slots, state_slots, copied, *image_parts]  # (absent ones: their sizes are 0)
         num_pending, on_device = self._write(parts, pending)
         self._send(MessageKind.FORWARD, tokens, batch, width, meta.max_query_len, meta.max_seq_len, meta.block_size,
                    num_pending, int(on_device), int(meta.last_rows_only), len(restores[0]), len(saves[0]),
-                   image_parts[0].numel(), 0 if embeds is None else embeds.shape[1],
-                   int(meta.mrope_positions is not None), len(blocks))  # fmt: skip
+                   0 if image_rows is None else image_rows.numel(), 0 if embeds is None else embeds.shape[1],
+                   int(mrope is not None), len(blocks))  # fmt: skip
         self._send_pending(pending, on_device)
         if embeds is not None:
             assert self._broadcast is not None

@@ -29,7 +29,7 @@ from engine_server.llm import LLM
 from engine_server.tokenizer.chat import ChatAudio, ChatImage, ChatMessage
 from tests.families import _SHAPE
 from tests.unit.test_family_engines import engine
-from tests.unit.test_image_input import GREEDY, NEW_TOKENS, png, transformers_greedy
+from tests.unit.test_image_input import GREEDY, NEW_TOKENS, png, template_turns, transformers_greedy
 
 pytestmark = pytest.mark.slow  # engines and transformers' models of their own
 
@@ -98,12 +98,7 @@ def processor_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     processor = Qwen2AudioProcessor(AutoFeatureExtractor.from_pretrained(folder), tokenizer, chat_template=TEMPLATE)
-    turns = [
-        {"role": m.role, "content": [{"type": "text", "text": p} if isinstance(p, str) else {"type": "audio"}
-                                     for p in m.content_parts or (m.content,)]}
-        for m in prompt.messages
-    ]  # fmt: skip
-    text = processor.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    text = processor.apply_chat_template(template_turns(prompt), add_generation_prompt=True, tokenize=False)
     clips = [heard(part.data) for m in prompt.messages for _, part in m.audio]
     inputs: dict[str, torch.Tensor] = processor(text=text, audio=clips or None, sampling_rate=RATE,
                                                 return_tensors="pt", add_special_tokens=False)  # fmt: skip
@@ -238,12 +233,7 @@ def af3_processor_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Te
     processor = AudioFlamingo3Processor(AutoFeatureExtractor.from_pretrained(folder), tokenizer,
                                         chat_template=AF3_TEMPLATE, max_audio_len=AF3_MAX_SECONDS)  # fmt: skip
     processor.validate_inputs = ProcessorMixin.validate_inputs.__get__(processor)  # type: ignore[method-assign]
-    turns = [
-        {"role": m.role, "content": [{"type": "text", "text": p} if isinstance(p, str) else {"type": "audio"}
-                                     for p in m.content_parts or (m.content,)]}
-        for m in prompt.messages
-    ]  # fmt: skip
-    text = processor.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    text = processor.apply_chat_template(template_turns(prompt), add_generation_prompt=True, tokenize=False)
     clips = [heard(part.data) for m in prompt.messages for _, part in m.audio]
     inputs = processor(text=[text], audio=clips or None, sampling_rate=RATE, add_special_tokens=False)
     return {key: value for key, value in inputs.items() if key != "num_audio_tokens"}

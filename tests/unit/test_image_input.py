@@ -24,7 +24,7 @@ from engine_server.errors import ValidationError
 from engine_server.frontend import ChatPrompt
 from engine_server.llm import LLM
 from engine_server.sampling_params import SamplingParams
-from engine_server.tokenizer.chat import ChatImage, ChatMessage
+from engine_server.tokenizer.chat import ChatAudio, ChatImage, ChatMessage
 from tests.families import _SHAPE
 from tests.unit.test_family_engines import engine
 from tests.unit.test_frontend import PARTS_BY_LOOP
@@ -121,9 +121,11 @@ def processor_inputs(folder: Path, prompt: ChatPrompt) -> dict[str, torch.Tensor
 
 
 def template_turns(prompt: ChatPrompt) -> list[dict[str, Any]]:
-    """`prompt`'s turns as transformers' processors take them: content as parts, an image `{"type": "image"}`."""
+    """`prompt`'s turns as transformers' processors take them: content as parts, an image `{"type": "image"}`, an audio
+    clip `{"type": "audio"}`."""
     return [
-        {"role": m.role, "content": [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"}
+        {"role": m.role, "content": [{"type": "text", "text": p} if isinstance(p, str)
+                                     else {"type": "audio"} if isinstance(p, ChatAudio) else {"type": "image"}
                                      for p in m.content_parts or (m.content,)]}
         for m in prompt.messages
     ]  # fmt: skip
