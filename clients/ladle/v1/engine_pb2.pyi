@@ -103,6 +103,7 @@ class GenerateResponse(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TRANSCRIPTION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request id (the caller's, or the one the engine generated)."""
     model: _builtins.str
@@ -123,6 +124,10 @@ class GenerateResponse(_message.Message):
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """With SamplingParams.return_prompt_token_ids: the prompt's token ids, as the engine tokenized the input."""
 
+    @_builtins.property
+    def transcription(self) -> _types_pb2.TranscriptionInfo:
+        """For an Input.transcription: the clip's language and length; unset for other inputs."""
+
     def __init__(
         self,
         *,
@@ -132,10 +137,11 @@ class GenerateResponse(_message.Message):
         model: _builtins.str = ...,
         prompt_logprobs: _types_pb2.PromptLogprobs | None = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        transcription: _types_pb2.TranscriptionInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt_logprobs", b"prompt_logprobs", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt_logprobs", b"prompt_logprobs", "transcription", b"transcription", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "model", b"model", "prompt_logprobs", b"prompt_logprobs", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "model", b"model", "prompt_logprobs", b"prompt_logprobs", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "transcription", b"transcription", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -206,6 +212,7 @@ class StreamResponse(_message.Message):
     USAGE_SO_FAR_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TRANSCRIPTION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request id."""
     model: _builtins.str
@@ -233,6 +240,10 @@ class StreamResponse(_message.Message):
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """With SamplingParams.return_prompt_token_ids: as GenerateResponse.prompt_token_ids, on the first message only."""
 
+    @_builtins.property
+    def transcription(self) -> _types_pb2.TranscriptionInfo:
+        """For an Input.transcription: as GenerateResponse.transcription, on the first message only."""
+
     def __init__(
         self,
         *,
@@ -243,10 +254,11 @@ class StreamResponse(_message.Message):
         usage_so_far: _types_pb2.Usage | None = ...,
         prompt_logprobs: _types_pb2.PromptLogprobs | None = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        transcription: _types_pb2.TranscriptionInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt_logprobs", b"prompt_logprobs", "usage", b"usage", "usage_so_far", b"usage_so_far"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt_logprobs", b"prompt_logprobs", "transcription", b"transcription", "usage", b"usage", "usage_so_far", b"usage_so_far"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "model", b"model", "prompt_logprobs", b"prompt_logprobs", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "usage", b"usage", "usage_so_far", b"usage_so_far"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "model", b"model", "prompt_logprobs", b"prompt_logprobs", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "transcription", b"transcription", "usage", b"usage", "usage_so_far", b"usage_so_far"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

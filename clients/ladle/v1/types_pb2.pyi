@@ -20,6 +20,30 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _TranscriptionTask:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TranscriptionTaskEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TranscriptionTask.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TRANSCRIPTION_TASK_UNSPECIFIED: _TranscriptionTask.ValueType  # 0
+    """TRANSCRIBE."""
+    TRANSCRIPTION_TASK_TRANSCRIBE: _TranscriptionTask.ValueType  # 1
+    """The words as spoken, in the speech's language."""
+    TRANSCRIPTION_TASK_TRANSLATE: _TranscriptionTask.ValueType  # 2
+    """The words translated into English."""
+
+class TranscriptionTask(_TranscriptionTask, metaclass=_TranscriptionTaskEnumTypeWrapper):
+    """TranscriptionTask is what a Transcription writes."""
+
+TRANSCRIPTION_TASK_UNSPECIFIED: TranscriptionTask.ValueType  # 0
+"""TRANSCRIBE."""
+TRANSCRIPTION_TASK_TRANSCRIBE: TranscriptionTask.ValueType  # 1
+"""The words as spoken, in the speech's language."""
+TRANSCRIPTION_TASK_TRANSLATE: TranscriptionTask.ValueType  # 2
+"""The words translated into English."""
+Global___TranscriptionTask: _TypeAlias = TranscriptionTask  # noqa: Y015
+
 class _ToolChoiceMode:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -106,13 +130,14 @@ Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final
 class Input(_message.Message):
-    """Input is what the model continues: exactly one of text, chat messages or token ids."""
+    """Input is what the model continues: exactly one of text, chat messages, token ids or an audio clip to transcribe."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     TEXT_FIELD_NUMBER: _builtins.int
     CHAT_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TRANSCRIPTION_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Raw prompt text; the tokenizer's special tokens (e.g. BOS) are added as the model expects."""
     @_builtins.property
@@ -123,22 +148,99 @@ class Input(_message.Message):
     def token_ids(self) -> Global___TokenIds:
         """Prompt token ids, used as they are."""
 
+    @_builtins.property
+    def transcription(self) -> Global___Transcription:
+        """An audio clip to write down as text, for a speech-to-text model (Whisper): the engine lays out the model's
+        own decoder prompt and runs its encoder over the clip. Other models refuse it (INVALID_ARGUMENT), and a
+        speech-to-text model refuses every other kind.
+        """
+
     def __init__(
         self,
         *,
         text: _builtins.str = ...,
         chat: Global___ChatInput | None = ...,
         token_ids: Global___TokenIds | None = ...,
+        transcription: Global___Transcription | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "kind", b"kind", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "kind", b"kind", "text", b"text", "token_ids", b"token_ids", "transcription", b"transcription"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "kind", b"kind", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "kind", b"kind", "text", b"text", "token_ids", b"token_ids", "transcription", b"transcription"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["text", "chat", "token_ids"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["text", "chat", "token_ids", "transcription"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
 Global___Input: _TypeAlias = Input  # noqa: Y015
+
+@_typing.final
+class Transcription(_message.Message):
+    """Transcription asks a speech-to-text model for the words of an audio clip."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AUDIO_FIELD_NUMBER: _builtins.int
+    LANGUAGE_FIELD_NUMBER: _builtins.int
+    TASK_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
+    language: _builtins.str
+    """The speech's language as an ISO-639-1 code ("en", "de"), or a name the model knows ("english"); empty: the model
+    detects it from the clip (TranscriptionInfo.language says which). A language the model does not know is
+    refused (INVALID_ARGUMENT).
+    """
+    task: Global___TranscriptionTask.ValueType
+    """What to write: the words in the speech's own language (TRANSCRIBE, also UNSPECIFIED) or in English (TRANSLATE)."""
+    prompt: _builtins.str
+    """Text that came before the clip (Whisper's previous-text prompt), to carry names, spelling and style over; it is
+    part of the prompt, not of the output.
+    """
+    @_builtins.property
+    def audio(self) -> Global___Audio:
+        """The clip (Audio.data: WAV, FLAC, OGG or MP3). At most the model's window (Whisper: 30 s); longer clips are
+        refused (INVALID_ARGUMENT) naming their length.
+        """
+
+    def __init__(
+        self,
+        *,
+        audio: Global___Audio | None = ...,
+        language: _builtins.str = ...,
+        task: Global___TranscriptionTask.ValueType = ...,
+        prompt: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio", "language", b"language", "prompt", b"prompt", "task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Transcription: _TypeAlias = Transcription  # noqa: Y015
+
+@_typing.final
+class TranscriptionInfo(_message.Message):
+    """TranscriptionInfo tells a Transcription's caller about the clip it sent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LANGUAGE_FIELD_NUMBER: _builtins.int
+    DURATION_SECONDS_FIELD_NUMBER: _builtins.int
+    language: _builtins.str
+    """The speech's language as an ISO-639-1 code: the request's, or the one the model detected."""
+    duration_seconds: _builtins.float
+    """The clip's length in seconds, as decoded."""
+    def __init__(
+        self,
+        *,
+        language: _builtins.str = ...,
+        duration_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_seconds", b"duration_seconds", "language", b"language"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TranscriptionInfo: _TypeAlias = TranscriptionInfo  # noqa: Y015
 
 @_typing.final
 class TokenIds(_message.Message):

@@ -14,10 +14,10 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file ladle/v1/types.proto.
  */
 export const file_ladle_v1_types: GenFile = /*@__PURE__*/
-  fileDesc("ChRsYWRsZS92MS90eXBlcy5wcm90bxIIbGFkbGUudjEibQoFSW5wdXQSDgoEdGV4dBgBIAEoCUgAEiMKBGNoYXQYAiABKAsyEy5sYWRsZS52MS5DaGF0SW5wdXRIABInCgl0b2tlbl9pZHMYAyABKAsyEi5sYWRsZS52MS5Ub2tlbklkc0gAQgYKBGtpbmQiFwoIVG9rZW5JZHMSCwoDaWRzGAEgAygNIt8BCglDaGF0SW5wdXQSJwoIbWVzc2FnZXMYASADKAsyFS5sYWRsZS52MS5DaGF0TWVzc2FnZRIdCgV0b29scxgCIAMoCzIOLmxhZGxlLnYxLlRvb2wSKQoLdG9vbF9jaG9pY2UYAyABKAsyFC5sYWRsZS52MS5Ub29sQ2hvaWNlEiIKFWFkZF9nZW5lcmF0aW9uX3Byb21wdBgEIAEoCEgAiAEBEiEKGWNoYXRfdGVtcGxhdGVfa3dhcmdzX2pzb24YBSABKAlCGAoWX2FkZF9nZW5lcmF0aW9uX3Byb21wdCKmAQoLQ2hhdE1lc3NhZ2USDAoEcm9sZRgBIAEoCRIPCgdjb250ZW50GAIgASgJEiYKCnRvb2xfY2FsbHMYAyADKAsyEi5sYWRsZS52MS5Ub29sQ2FsbBIUCgx0b29sX2NhbGxfaWQYBCABKAkSDAoEbmFtZRgFIAEoCRIsCg1jb250ZW50X3BhcnRzGAYgAygLMhUubGFkbGUudjEuQ29udGVudFBhcnQiaQoLQ29udGVudFBhcnQSDgoEdGV4dBgBIAEoCUgAEiAKBWltYWdlGAIgASgLMg8ubGFkbGUudjEuSW1hZ2VIABIgCgVhdWRpbxgDIAEoCzIPLmxhZGxlLnYxLkF1ZGlvSABCBgoEcGFydCIVCgVJbWFnZRIMCgRkYXRhGAEgASgMIhUKBUF1ZGlvEgwKBGRhdGEYASABKAwiUgoEVG9vbBIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhcKD3BhcmFtZXRlcnNfanNvbhgDIAEoCRIOCgZzdHJpY3QYBCABKAgiWQoKVG9vbENob2ljZRIoCgRtb2RlGAEgASgOMhgubGFkbGUudjEuVG9vbENob2ljZU1vZGVIABIXCg1mdW5jdGlvbl9uYW1lGAIgASgJSABCCAoGY2hvaWNlIjwKCFRvb2xDYWxsEgoKAmlkGAEgASgJEgwKBG5hbWUYAiABKAkSFgoOYXJndW1lbnRzX2pzb24YAyABKAkiVgoNVG9vbENhbGxEZWx0YRINCgVpbmRleBgBIAEoDRIKCgJpZBgCIAEoCRIMCgRuYW1lGAMgASgJEhwKFGFyZ3VtZW50c19qc29uX2RlbHRhGAQgASgJIqYGCg5TYW1wbGluZ1BhcmFtcxIXCgptYXhfdG9rZW5zGAEgASgNSACIAQESGAoLdGVtcGVyYXR1cmUYAiABKAJIAYgBARISCgV0b3BfcBgDIAEoAkgCiAEBEhIKBXRvcF9rGAQgASgFSAOIAQESEgoFbWluX3AYBSABKAJIBIgBARIdChBwcmVzZW5jZV9wZW5hbHR5GAYgASgCSAWIAQESHgoRZnJlcXVlbmN5X3BlbmFsdHkYByABKAJIBogBARIfChJyZXBldGl0aW9uX3BlbmFsdHkYCCABKAJIB4gBARI7Cgpsb2dpdF9iaWFzGAkgAygLMicubGFkbGUudjEuU2FtcGxpbmdQYXJhbXMuTG9naXRCaWFzRW50cnkSEQoEc2VlZBgKIAEoBEgIiAEBEhIKCm1pbl90b2tlbnMYCyABKA0SDAoEc3RvcBgMIAMoCRIWCg5zdG9wX3Rva2VuX2lkcxgNIAMoDRISCgppZ25vcmVfZW9zGA4gASgIEg4KAW4YDyABKA1ICYgBARIQCghsb2dwcm9icxgQIAEoCBIUCgx0b3BfbG9ncHJvYnMYESABKA0SIAoTc2tpcF9zcGVjaWFsX3Rva2VucxgSIAEoCEgKiAEBEiIKGmluY2x1ZGVfc3RvcF9zdHJfaW5fb3V0cHV0GBMgASgIEhwKD3Byb21wdF9sb2dwcm9icxgUIAEoDUgLiAEBEh8KF3JldHVybl9wcm9tcHRfdG9rZW5faWRzGBUgASgIGjAKDkxvZ2l0Qmlhc0VudHJ5EgsKA2tleRgBIAEoDRINCgV2YWx1ZRgCIAEoAjoCOAFCDQoLX21heF90b2tlbnNCDgoMX3RlbXBlcmF0dXJlQggKBl90b3BfcEIICgZfdG9wX2tCCAoGX21pbl9wQhMKEV9wcmVzZW5jZV9wZW5hbHR5QhQKEl9mcmVxdWVuY3lfcGVuYWx0eUIVChNfcmVwZXRpdGlvbl9wZW5hbHR5QgcKBV9zZWVkQgQKAl9uQhYKFF9za2lwX3NwZWNpYWxfdG9rZW5zQhIKEF9wcm9tcHRfbG9ncHJvYnMipgEKCkNvbnN0cmFpbnQSFQoLanNvbl9zY2hlbWEYASABKAlIABItCgtqc29uX29iamVjdBgCIAEoCzIWLmdvb2dsZS5wcm90b2J1Zi5FbXB0eUgAEg8KBXJlZ2V4GAMgASgJSAASJgoGY2hvaWNlGAQgASgLMhQubGFkbGUudjEuQ2hvaWNlTGlzdEgAEhEKB2dyYW1tYXIYBSABKAlIAEIGCgRraW5kIh0KCkNob2ljZUxpc3QSDwoHY2hvaWNlcxgBIAMoCSI5CgtNYXRjaGVkU3RvcBIOCgR0ZXh0GAEgASgJSAASEgoIdG9rZW5faWQYAiABKA1IAEIGCgRraW5kIoECCgZDaG9pY2USDQoFaW5kZXgYASABKA0SDAoEdGV4dBgCIAEoCRIRCgl0b2tlbl9pZHMYAyADKA0SLQoNZmluaXNoX3JlYXNvbhgEIAEoDjIWLmxhZGxlLnYxLkZpbmlzaFJlYXNvbhIrCgxtYXRjaGVkX3N0b3AYBSABKAsyFS5sYWRsZS52MS5NYXRjaGVkU3RvcBIoCghsb2dwcm9icxgGIAMoCzIWLmxhZGxlLnYxLlRva2VuTG9ncHJvYhImCgp0b29sX2NhbGxzGAcgAygLMhIubGFkbGUudjEuVG9vbENhbGwSGQoRcmVhc29uaW5nX2NvbnRlbnQYCCABKAkiiwIKC0Nob2ljZURlbHRhEg0KBWluZGV4GAEgASgNEgwKBHRleHQYAiABKAkSEQoJdG9rZW5faWRzGAMgAygNEigKCGxvZ3Byb2JzGAQgAygLMhYubGFkbGUudjEuVG9rZW5Mb2dwcm9iEi0KDWZpbmlzaF9yZWFzb24YBSABKA4yFi5sYWRsZS52MS5GaW5pc2hSZWFzb24SKwoMbWF0Y2hlZF9zdG9wGAYgASgLMhUubGFkbGUudjEuTWF0Y2hlZFN0b3ASKwoKdG9vbF9jYWxscxgHIAMoCzIXLmxhZGxlLnYxLlRvb2xDYWxsRGVsdGESGQoRcmVhc29uaW5nX2NvbnRlbnQYCCABKAkigAEKDlByb21wdExvZ3Byb2JzEhYKDmZpcnN0X3Rva2VuX2lkGAEgASgNEhMKC2ZpcnN0X3Rva2VuGAIgASgJEhkKEWZpcnN0X3Rva2VuX2J5dGVzGAMgASgMEiYKBnRva2VucxgEIAMoCzIWLmxhZGxlLnYxLlRva2VuTG9ncHJvYiKPAQoMVG9rZW5Mb2dwcm9iEhAKCHRva2VuX2lkGAEgASgNEg0KBXRva2VuGAIgASgJEg8KB2xvZ3Byb2IYAyABKAISEwoLdG9rZW5fYnl0ZXMYBCABKAwSKgoMdG9wX2xvZ3Byb2JzGAUgAygLMhQubGFkbGUudjEuVG9wTG9ncHJvYhIMCgRyYW5rGAYgASgNIlMKClRvcExvZ3Byb2ISEAoIdG9rZW5faWQYASABKA0SDQoFdG9rZW4YAiABKAkSDwoHbG9ncHJvYhgDIAEoAhITCgt0b2tlbl9ieXRlcxgEIAEoDCKHAQoFVXNhZ2USFQoNcHJvbXB0X3Rva2VucxgBIAEoDRIZChFjb21wbGV0aW9uX3Rva2VucxgCIAEoDRIUCgx0b3RhbF90b2tlbnMYAyABKA0SHAoUY2FjaGVkX3Byb21wdF90b2tlbnMYBCABKA0SGAoQcmVhc29uaW5nX3Rva2VucxgFIAEoDSqHAQoOVG9vbENob2ljZU1vZGUSIAocVE9PTF9DSE9JQ0VfTU9ERV9VTlNQRUNJRklFRBAAEhkKFVRPT0xfQ0hPSUNFX01PREVfTk9ORRABEhkKFVRPT0xfQ0hPSUNFX01PREVfQVVUTxACEh0KGVRPT0xfQ0hPSUNFX01PREVfUkVRVUlSRUQQAypSCghQcmlvcml0eRIYChRQUklPUklUWV9VTlNQRUNJRklFRBAAEhgKFFBSSU9SSVRZX0lOVEVSQUNUSVZFEAESEgoOUFJJT1JJVFlfQkFUQ0gQAiqWAQoMRmluaXNoUmVhc29uEh0KGUZJTklTSF9SRUFTT05fVU5TUEVDSUZJRUQQABIWChJGSU5JU0hfUkVBU09OX1NUT1AQARIYChRGSU5JU0hfUkVBU09OX0xFTkdUSBACEhcKE0ZJTklTSF9SRUFTT05fQUJPUlQQAxIcChhGSU5JU0hfUkVBU09OX1RPT0xfQ0FMTFMQBGIGcHJvdG8z", [file_google_protobuf_empty]);
+  fileDesc("ChRsYWRsZS92MS90eXBlcy5wcm90bxIIbGFkbGUudjEinwEKBUlucHV0Eg4KBHRleHQYASABKAlIABIjCgRjaGF0GAIgASgLMhMubGFkbGUudjEuQ2hhdElucHV0SAASJwoJdG9rZW5faWRzGAMgASgLMhIubGFkbGUudjEuVG9rZW5JZHNIABIwCg10cmFuc2NyaXB0aW9uGAQgASgLMhcubGFkbGUudjEuVHJhbnNjcmlwdGlvbkgAQgYKBGtpbmQifAoNVHJhbnNjcmlwdGlvbhIeCgVhdWRpbxgBIAEoCzIPLmxhZGxlLnYxLkF1ZGlvEhAKCGxhbmd1YWdlGAIgASgJEikKBHRhc2sYAyABKA4yGy5sYWRsZS52MS5UcmFuc2NyaXB0aW9uVGFzaxIOCgZwcm9tcHQYBCABKAkiPwoRVHJhbnNjcmlwdGlvbkluZm8SEAoIbGFuZ3VhZ2UYASABKAkSGAoQZHVyYXRpb25fc2Vjb25kcxgCIAEoASIXCghUb2tlbklkcxILCgNpZHMYASADKA0i3wEKCUNoYXRJbnB1dBInCghtZXNzYWdlcxgBIAMoCzIVLmxhZGxlLnYxLkNoYXRNZXNzYWdlEh0KBXRvb2xzGAIgAygLMg4ubGFkbGUudjEuVG9vbBIpCgt0b29sX2Nob2ljZRgDIAEoCzIULmxhZGxlLnYxLlRvb2xDaG9pY2USIgoVYWRkX2dlbmVyYXRpb25fcHJvbXB0GAQgASgISACIAQESIQoZY2hhdF90ZW1wbGF0ZV9rd2FyZ3NfanNvbhgFIAEoCUIYChZfYWRkX2dlbmVyYXRpb25fcHJvbXB0IqYBCgtDaGF0TWVzc2FnZRIMCgRyb2xlGAEgASgJEg8KB2NvbnRlbnQYAiABKAkSJgoKdG9vbF9jYWxscxgDIAMoCzISLmxhZGxlLnYxLlRvb2xDYWxsEhQKDHRvb2xfY2FsbF9pZBgEIAEoCRIMCgRuYW1lGAUgASgJEiwKDWNvbnRlbnRfcGFydHMYBiADKAsyFS5sYWRsZS52MS5Db250ZW50UGFydCJpCgtDb250ZW50UGFydBIOCgR0ZXh0GAEgASgJSAASIAoFaW1hZ2UYAiABKAsyDy5sYWRsZS52MS5JbWFnZUgAEiAKBWF1ZGlvGAMgASgLMg8ubGFkbGUudjEuQXVkaW9IAEIGCgRwYXJ0IhUKBUltYWdlEgwKBGRhdGEYASABKAwiFQoFQXVkaW8SDAoEZGF0YRgBIAEoDCJSCgRUb29sEgwKBG5hbWUYASABKAkSEwoLZGVzY3JpcHRpb24YAiABKAkSFwoPcGFyYW1ldGVyc19qc29uGAMgASgJEg4KBnN0cmljdBgEIAEoCCJZCgpUb29sQ2hvaWNlEigKBG1vZGUYASABKA4yGC5sYWRsZS52MS5Ub29sQ2hvaWNlTW9kZUgAEhcKDWZ1bmN0aW9uX25hbWUYAiABKAlIAEIICgZjaG9pY2UiPAoIVG9vbENhbGwSCgoCaWQYASABKAkSDAoEbmFtZRgCIAEoCRIWCg5hcmd1bWVudHNfanNvbhgDIAEoCSJWCg1Ub29sQ2FsbERlbHRhEg0KBWluZGV4GAEgASgNEgoKAmlkGAIgASgJEgwKBG5hbWUYAyABKAkSHAoUYXJndW1lbnRzX2pzb25fZGVsdGEYBCABKAkipgYKDlNhbXBsaW5nUGFyYW1zEhcKCm1heF90b2tlbnMYASABKA1IAIgBARIYCgt0ZW1wZXJhdHVyZRgCIAEoAkgBiAEBEhIKBXRvcF9wGAMgASgCSAKIAQESEgoFdG9wX2sYBCABKAVIA4gBARISCgVtaW5fcBgFIAEoAkgEiAEBEh0KEHByZXNlbmNlX3BlbmFsdHkYBiABKAJIBYgBARIeChFmcmVxdWVuY3lfcGVuYWx0eRgHIAEoAkgGiAEBEh8KEnJlcGV0aXRpb25fcGVuYWx0eRgIIAEoAkgHiAEBEjsKCmxvZ2l0X2JpYXMYCSADKAsyJy5sYWRsZS52MS5TYW1wbGluZ1BhcmFtcy5Mb2dpdEJpYXNFbnRyeRIRCgRzZWVkGAogASgESAiIAQESEgoKbWluX3Rva2VucxgLIAEoDRIMCgRzdG9wGAwgAygJEhYKDnN0b3BfdG9rZW5faWRzGA0gAygNEhIKCmlnbm9yZV9lb3MYDiABKAgSDgoBbhgPIAEoDUgJiAEBEhAKCGxvZ3Byb2JzGBAgASgIEhQKDHRvcF9sb2dwcm9icxgRIAEoDRIgChNza2lwX3NwZWNpYWxfdG9rZW5zGBIgASgISAqIAQESIgoaaW5jbHVkZV9zdG9wX3N0cl9pbl9vdXRwdXQYEyABKAgSHAoPcHJvbXB0X2xvZ3Byb2JzGBQgASgNSAuIAQESHwoXcmV0dXJuX3Byb21wdF90b2tlbl9pZHMYFSABKAgaMAoOTG9naXRCaWFzRW50cnkSCwoDa2V5GAEgASgNEg0KBXZhbHVlGAIgASgCOgI4AUINCgtfbWF4X3Rva2Vuc0IOCgxfdGVtcGVyYXR1cmVCCAoGX3RvcF9wQggKBl90b3Bfa0IICgZfbWluX3BCEwoRX3ByZXNlbmNlX3BlbmFsdHlCFAoSX2ZyZXF1ZW5jeV9wZW5hbHR5QhUKE19yZXBldGl0aW9uX3BlbmFsdHlCBwoFX3NlZWRCBAoCX25CFgoUX3NraXBfc3BlY2lhbF90b2tlbnNCEgoQX3Byb21wdF9sb2dwcm9icyKmAQoKQ29uc3RyYWludBIVCgtqc29uX3NjaGVtYRgBIAEoCUgAEi0KC2pzb25fb2JqZWN0GAIgASgLMhYuZ29vZ2xlLnByb3RvYnVmLkVtcHR5SAASDwoFcmVnZXgYAyABKAlIABImCgZjaG9pY2UYBCABKAsyFC5sYWRsZS52MS5DaG9pY2VMaXN0SAASEQoHZ3JhbW1hchgFIAEoCUgAQgYKBGtpbmQiHQoKQ2hvaWNlTGlzdBIPCgdjaG9pY2VzGAEgAygJIjkKC01hdGNoZWRTdG9wEg4KBHRleHQYASABKAlIABISCgh0b2tlbl9pZBgCIAEoDUgAQgYKBGtpbmQigQIKBkNob2ljZRINCgVpbmRleBgBIAEoDRIMCgR0ZXh0GAIgASgJEhEKCXRva2VuX2lkcxgDIAMoDRItCg1maW5pc2hfcmVhc29uGAQgASgOMhYubGFkbGUudjEuRmluaXNoUmVhc29uEisKDG1hdGNoZWRfc3RvcBgFIAEoCzIVLmxhZGxlLnYxLk1hdGNoZWRTdG9wEigKCGxvZ3Byb2JzGAYgAygLMhYubGFkbGUudjEuVG9rZW5Mb2dwcm9iEiYKCnRvb2xfY2FsbHMYByADKAsyEi5sYWRsZS52MS5Ub29sQ2FsbBIZChFyZWFzb25pbmdfY29udGVudBgIIAEoCSKLAgoLQ2hvaWNlRGVsdGESDQoFaW5kZXgYASABKA0SDAoEdGV4dBgCIAEoCRIRCgl0b2tlbl9pZHMYAyADKA0SKAoIbG9ncHJvYnMYBCADKAsyFi5sYWRsZS52MS5Ub2tlbkxvZ3Byb2ISLQoNZmluaXNoX3JlYXNvbhgFIAEoDjIWLmxhZGxlLnYxLkZpbmlzaFJlYXNvbhIrCgxtYXRjaGVkX3N0b3AYBiABKAsyFS5sYWRsZS52MS5NYXRjaGVkU3RvcBIrCgp0b29sX2NhbGxzGAcgAygLMhcubGFkbGUudjEuVG9vbENhbGxEZWx0YRIZChFyZWFzb25pbmdfY29udGVudBgIIAEoCSKAAQoOUHJvbXB0TG9ncHJvYnMSFgoOZmlyc3RfdG9rZW5faWQYASABKA0SEwoLZmlyc3RfdG9rZW4YAiABKAkSGQoRZmlyc3RfdG9rZW5fYnl0ZXMYAyABKAwSJgoGdG9rZW5zGAQgAygLMhYubGFkbGUudjEuVG9rZW5Mb2dwcm9iIo8BCgxUb2tlbkxvZ3Byb2ISEAoIdG9rZW5faWQYASABKA0SDQoFdG9rZW4YAiABKAkSDwoHbG9ncHJvYhgDIAEoAhITCgt0b2tlbl9ieXRlcxgEIAEoDBIqCgx0b3BfbG9ncHJvYnMYBSADKAsyFC5sYWRsZS52MS5Ub3BMb2dwcm9iEgwKBHJhbmsYBiABKA0iUwoKVG9wTG9ncHJvYhIQCgh0b2tlbl9pZBgBIAEoDRINCgV0b2tlbhgCIAEoCRIPCgdsb2dwcm9iGAMgASgCEhMKC3Rva2VuX2J5dGVzGAQgASgMIocBCgVVc2FnZRIVCg1wcm9tcHRfdG9rZW5zGAEgASgNEhkKEWNvbXBsZXRpb25fdG9rZW5zGAIgASgNEhQKDHRvdGFsX3Rva2VucxgDIAEoDRIcChRjYWNoZWRfcHJvbXB0X3Rva2VucxgEIAEoDRIYChByZWFzb25pbmdfdG9rZW5zGAUgASgNKnwKEVRyYW5zY3JpcHRpb25UYXNrEiIKHlRSQU5TQ1JJUFRJT05fVEFTS19VTlNQRUNJRklFRBAAEiEKHVRSQU5TQ1JJUFRJT05fVEFTS19UUkFOU0NSSUJFEAESIAocVFJBTlNDUklQVElPTl9UQVNLX1RSQU5TTEFURRACKocBCg5Ub29sQ2hvaWNlTW9kZRIgChxUT09MX0NIT0lDRV9NT0RFX1VOU1BFQ0lGSUVEEAASGQoVVE9PTF9DSE9JQ0VfTU9ERV9OT05FEAESGQoVVE9PTF9DSE9JQ0VfTU9ERV9BVVRPEAISHQoZVE9PTF9DSE9JQ0VfTU9ERV9SRVFVSVJFRBADKlIKCFByaW9yaXR5EhgKFFBSSU9SSVRZX1VOU1BFQ0lGSUVEEAASGAoUUFJJT1JJVFlfSU5URVJBQ1RJVkUQARISCg5QUklPUklUWV9CQVRDSBACKpYBCgxGaW5pc2hSZWFzb24SHQoZRklOSVNIX1JFQVNPTl9VTlNQRUNJRklFRBAAEhYKEkZJTklTSF9SRUFTT05fU1RPUBABEhgKFEZJTklTSF9SRUFTT05fTEVOR1RIEAISFwoTRklOSVNIX1JFQVNPTl9BQk9SVBADEhwKGEZJTklTSF9SRUFTT05fVE9PTF9DQUxMUxAEYgZwcm90bzM", [file_google_protobuf_empty]);
 
 /**
- * Input is what the model continues: exactly one of text, chat messages or token ids.
+ * Input is what the model continues: exactly one of text, chat messages, token ids or an audio clip to transcribe.
  *
  * @generated from message ladle.v1.Input
  */
@@ -51,6 +51,16 @@ export type Input = Message<"ladle.v1.Input"> & {
      */
     value: TokenIds;
     case: "tokenIds";
+  } | {
+    /**
+     * An audio clip to write down as text, for a speech-to-text model (Whisper): the engine lays out the model's
+     * own decoder prompt and runs its encoder over the clip. Other models refuse it (INVALID_ARGUMENT), and a
+     * speech-to-text model refuses every other kind.
+     *
+     * @generated from field: ladle.v1.Transcription transcription = 4;
+     */
+    value: Transcription;
+    case: "transcription";
   } | { case: undefined; value?: undefined };
 };
 
@@ -60,6 +70,80 @@ export type Input = Message<"ladle.v1.Input"> & {
  */
 export const InputSchema: GenMessage<Input> = /*@__PURE__*/
   messageDesc(file_ladle_v1_types, 0);
+
+/**
+ * Transcription asks a speech-to-text model for the words of an audio clip.
+ *
+ * @generated from message ladle.v1.Transcription
+ */
+export type Transcription = Message<"ladle.v1.Transcription"> & {
+  /**
+   * The clip (Audio.data: WAV, FLAC, OGG or MP3). At most the model's window (Whisper: 30 s); longer clips are
+   * refused (INVALID_ARGUMENT) naming their length.
+   *
+   * @generated from field: ladle.v1.Audio audio = 1;
+   */
+  audio?: Audio | undefined;
+
+  /**
+   * The speech's language as an ISO-639-1 code ("en", "de"), or a name the model knows ("english"); empty: the model
+   * detects it from the clip (TranscriptionInfo.language says which). A language the model does not know is
+   * refused (INVALID_ARGUMENT).
+   *
+   * @generated from field: string language = 2;
+   */
+  language: string;
+
+  /**
+   * What to write: the words in the speech's own language (TRANSCRIBE, also UNSPECIFIED) or in English (TRANSLATE).
+   *
+   * @generated from field: ladle.v1.TranscriptionTask task = 3;
+   */
+  task: TranscriptionTask;
+
+  /**
+   * Text that came before the clip (Whisper's previous-text prompt), to carry names, spelling and style over; it is
+   * part of the prompt, not of the output.
+   *
+   * @generated from field: string prompt = 4;
+   */
+  prompt: string;
+};
+
+/**
+ * Describes the message ladle.v1.Transcription.
+ * Use `create(TranscriptionSchema)` to create a new message.
+ */
+export const TranscriptionSchema: GenMessage<Transcription> = /*@__PURE__*/
+  messageDesc(file_ladle_v1_types, 1);
+
+/**
+ * TranscriptionInfo tells a Transcription's caller about the clip it sent.
+ *
+ * @generated from message ladle.v1.TranscriptionInfo
+ */
+export type TranscriptionInfo = Message<"ladle.v1.TranscriptionInfo"> & {
+  /**
+   * The speech's language as an ISO-639-1 code: the request's, or the one the model detected.
+   *
+   * @generated from field: string language = 1;
+   */
+  language: string;
+
+  /**
+   * The clip's length in seconds, as decoded.
+   *
+   * @generated from field: double duration_seconds = 2;
+   */
+  durationSeconds: number;
+};
+
+/**
+ * Describes the message ladle.v1.TranscriptionInfo.
+ * Use `create(TranscriptionInfoSchema)` to create a new message.
+ */
+export const TranscriptionInfoSchema: GenMessage<TranscriptionInfo> = /*@__PURE__*/
+  messageDesc(file_ladle_v1_types, 2);
 
 /**
  * TokenIds is a list of token ids (a message so it can sit in a oneof).
@@ -80,7 +164,7 @@ export type TokenIds = Message<"ladle.v1.TokenIds"> & {
  * Use `create(TokenIdsSchema)` to create a new message.
  */
 export const TokenIdsSchema: GenMessage<TokenIds> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 1);
+  messageDesc(file_ladle_v1_types, 3);
 
 /**
  * ChatInput is a conversation plus the tools the model may call.
@@ -130,7 +214,7 @@ export type ChatInput = Message<"ladle.v1.ChatInput"> & {
  * Use `create(ChatInputSchema)` to create a new message.
  */
 export const ChatInputSchema: GenMessage<ChatInput> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 2);
+  messageDesc(file_ladle_v1_types, 4);
 
 /**
  * ChatMessage is one turn of a conversation.
@@ -189,7 +273,7 @@ export type ChatMessage = Message<"ladle.v1.ChatMessage"> & {
  * Use `create(ChatMessageSchema)` to create a new message.
  */
 export const ChatMessageSchema: GenMessage<ChatMessage> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 3);
+  messageDesc(file_ladle_v1_types, 5);
 
 /**
  * ContentPart is one piece of a chat turn's content.
@@ -234,7 +318,7 @@ export type ContentPart = Message<"ladle.v1.ContentPart"> & {
  * Use `create(ContentPartSchema)` to create a new message.
  */
 export const ContentPartSchema: GenMessage<ContentPart> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 4);
+  messageDesc(file_ladle_v1_types, 6);
 
 /**
  * Image is one image of a chat turn, as its encoded file (the gateway turns an OpenAI `image_url`, a data: URL or
@@ -256,7 +340,7 @@ export type Image = Message<"ladle.v1.Image"> & {
  * Use `create(ImageSchema)` to create a new message.
  */
 export const ImageSchema: GenMessage<Image> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 5);
+  messageDesc(file_ladle_v1_types, 7);
 
 /**
  * Audio is one audio clip of a chat turn, as its encoded file (the gateway turns an OpenAI `input_audio` part, its
@@ -279,7 +363,7 @@ export type Audio = Message<"ladle.v1.Audio"> & {
  * Use `create(AudioSchema)` to create a new message.
  */
 export const AudioSchema: GenMessage<Audio> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 6);
+  messageDesc(file_ladle_v1_types, 8);
 
 /**
  * Tool is a function the model may call.
@@ -321,7 +405,7 @@ export type Tool = Message<"ladle.v1.Tool"> & {
  * Use `create(ToolSchema)` to create a new message.
  */
 export const ToolSchema: GenMessage<Tool> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 7);
+  messageDesc(file_ladle_v1_types, 9);
 
 /**
  * ToolChoice controls tool calling.
@@ -358,7 +442,7 @@ export type ToolChoice = Message<"ladle.v1.ToolChoice"> & {
  * Use `create(ToolChoiceSchema)` to create a new message.
  */
 export const ToolChoiceSchema: GenMessage<ToolChoice> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 8);
+  messageDesc(file_ladle_v1_types, 10);
 
 /**
  * ToolCall is one function call made by the model.
@@ -393,7 +477,7 @@ export type ToolCall = Message<"ladle.v1.ToolCall"> & {
  * Use `create(ToolCallSchema)` to create a new message.
  */
 export const ToolCallSchema: GenMessage<ToolCall> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 9);
+  messageDesc(file_ladle_v1_types, 11);
 
 /**
  * ToolCallDelta is part of a tool call in a stream, as OpenAI streams them.
@@ -435,7 +519,7 @@ export type ToolCallDelta = Message<"ladle.v1.ToolCallDelta"> & {
  * Use `create(ToolCallDeltaSchema)` to create a new message.
  */
 export const ToolCallDeltaSchema: GenMessage<ToolCallDelta> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 10);
+  messageDesc(file_ladle_v1_types, 12);
 
 /**
  * SamplingParams say how tokens are picked. Fields marked optional distinguish "unset" (use the default)
@@ -600,7 +684,7 @@ export type SamplingParams = Message<"ladle.v1.SamplingParams"> & {
  * Use `create(SamplingParamsSchema)` to create a new message.
  */
 export const SamplingParamsSchema: GenMessage<SamplingParams> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 11);
+  messageDesc(file_ladle_v1_types, 13);
 
 /**
  * Constraint restricts the output to a formal language; the engine compiles it with xgrammar.
@@ -661,7 +745,7 @@ export type Constraint = Message<"ladle.v1.Constraint"> & {
  * Use `create(ConstraintSchema)` to create a new message.
  */
 export const ConstraintSchema: GenMessage<Constraint> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 12);
+  messageDesc(file_ladle_v1_types, 14);
 
 /**
  * ChoiceList is a list of allowed outputs.
@@ -682,7 +766,7 @@ export type ChoiceList = Message<"ladle.v1.ChoiceList"> & {
  * Use `create(ChoiceListSchema)` to create a new message.
  */
 export const ChoiceListSchema: GenMessage<ChoiceList> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 13);
+  messageDesc(file_ladle_v1_types, 15);
 
 /**
  * MatchedStop is what ended a choice with FINISH_REASON_STOP.
@@ -719,7 +803,7 @@ export type MatchedStop = Message<"ladle.v1.MatchedStop"> & {
  * Use `create(MatchedStopSchema)` to create a new message.
  */
 export const MatchedStopSchema: GenMessage<MatchedStop> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 14);
+  messageDesc(file_ladle_v1_types, 16);
 
 /**
  * Choice is one finished choice of a generation.
@@ -790,7 +874,7 @@ export type Choice = Message<"ladle.v1.Choice"> & {
  * Use `create(ChoiceSchema)` to create a new message.
  */
 export const ChoiceSchema: GenMessage<Choice> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 15);
+  messageDesc(file_ladle_v1_types, 17);
 
 /**
  * ChoiceDelta is what one choice produced since the previous stream message.
@@ -860,7 +944,7 @@ export type ChoiceDelta = Message<"ladle.v1.ChoiceDelta"> & {
  * Use `create(ChoiceDeltaSchema)` to create a new message.
  */
 export const ChoiceDeltaSchema: GenMessage<ChoiceDelta> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 16);
+  messageDesc(file_ladle_v1_types, 18);
 
 /**
  * PromptLogprobs are a prompt's tokens, each after the first with its log-probability given the tokens before it.
@@ -902,7 +986,7 @@ export type PromptLogprobs = Message<"ladle.v1.PromptLogprobs"> & {
  * Use `create(PromptLogprobsSchema)` to create a new message.
  */
 export const PromptLogprobsSchema: GenMessage<PromptLogprobs> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 17);
+  messageDesc(file_ladle_v1_types, 19);
 
 /**
  * TokenLogprob is the log-probability of one generated token, with the best alternatives.
@@ -959,7 +1043,7 @@ export type TokenLogprob = Message<"ladle.v1.TokenLogprob"> & {
  * Use `create(TokenLogprobSchema)` to create a new message.
  */
 export const TokenLogprobSchema: GenMessage<TokenLogprob> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 18);
+  messageDesc(file_ladle_v1_types, 20);
 
 /**
  * TopLogprob is one alternative at a position.
@@ -1001,7 +1085,7 @@ export type TopLogprob = Message<"ladle.v1.TopLogprob"> & {
  * Use `create(TopLogprobSchema)` to create a new message.
  */
 export const TopLogprobSchema: GenMessage<TopLogprob> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 19);
+  messageDesc(file_ladle_v1_types, 21);
 
 /**
  * Usage counts tokens for a request.
@@ -1050,7 +1134,41 @@ export type Usage = Message<"ladle.v1.Usage"> & {
  * Use `create(UsageSchema)` to create a new message.
  */
 export const UsageSchema: GenMessage<Usage> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 20);
+  messageDesc(file_ladle_v1_types, 22);
+
+/**
+ * TranscriptionTask is what a Transcription writes.
+ *
+ * @generated from enum ladle.v1.TranscriptionTask
+ */
+export enum TranscriptionTask {
+  /**
+   * TRANSCRIBE.
+   *
+   * @generated from enum value: TRANSCRIPTION_TASK_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * The words as spoken, in the speech's language.
+   *
+   * @generated from enum value: TRANSCRIPTION_TASK_TRANSCRIBE = 1;
+   */
+  TRANSCRIBE = 1,
+
+  /**
+   * The words translated into English.
+   *
+   * @generated from enum value: TRANSCRIPTION_TASK_TRANSLATE = 2;
+   */
+  TRANSLATE = 2,
+}
+
+/**
+ * Describes the enum ladle.v1.TranscriptionTask.
+ */
+export const TranscriptionTaskSchema: GenEnum<TranscriptionTask> = /*@__PURE__*/
+  enumDesc(file_ladle_v1_types, 0);
 
 /**
  * ToolChoiceMode is how freely the model may call tools.
@@ -1091,7 +1209,7 @@ export enum ToolChoiceMode {
  * Describes the enum ladle.v1.ToolChoiceMode.
  */
 export const ToolChoiceModeSchema: GenEnum<ToolChoiceMode> = /*@__PURE__*/
-  enumDesc(file_ladle_v1_types, 0);
+  enumDesc(file_ladle_v1_types, 1);
 
 /**
  * Priority is a request's scheduling class; interactive requests run before batch ones.
@@ -1125,7 +1243,7 @@ export enum Priority {
  * Describes the enum ladle.v1.Priority.
  */
 export const PrioritySchema: GenEnum<Priority> = /*@__PURE__*/
-  enumDesc(file_ladle_v1_types, 1);
+  enumDesc(file_ladle_v1_types, 2);
 
 /**
  * FinishReason says why a choice ended.
@@ -1173,5 +1291,5 @@ export enum FinishReason {
  * Describes the enum ladle.v1.FinishReason.
  */
 export const FinishReasonSchema: GenEnum<FinishReason> = /*@__PURE__*/
-  enumDesc(file_ladle_v1_types, 2);
+  enumDesc(file_ladle_v1_types, 3);
 
