@@ -52,7 +52,8 @@ class RoutingConfig:
 
 def input_bytes(value: types_pb2.Input) -> bytes:
     """The input as the bytes routing hashes: equal for inputs the model reads identically, and a request
-    that extends another (more messages, a longer prompt) extends its bytes."""
+    that extends another (more messages, a longer prompt) extends its bytes; a transcription's are its clip's
+    bytes, then its task, language and prompt."""
     kind = value.WhichOneof("kind")
     if kind == "text":
         return value.text.encode()
@@ -62,6 +63,9 @@ def input_bytes(value: types_pb2.Input) -> bytes:
         parts = [tool.SerializeToString(deterministic=True) for tool in value.chat.tools]
         parts += [message.SerializeToString(deterministic=True) for message in value.chat.messages]
         return b"".join(parts)
+    if kind == "transcription":  # the clip first: the same clip (and prompt) finds the engine that heard it
+        speech = value.transcription
+        return speech.audio.data + f"\0{speech.task}\0{speech.language}\0{speech.prompt}".encode()
     return b""
 
 
