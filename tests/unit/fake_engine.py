@@ -508,9 +508,12 @@ def _score_result(request: engine_pb2.ScoreRequest) -> engine_pb2.ScoreResponse:
     return result
 
 
-async def start_fake_engine(fake: FakeEngine) -> tuple[grpc.aio.Server, str]:
-    """Serve `fake` on a free loopback port; (server, address)."""
-    server = grpc.aio.server()
+async def start_fake_engine(fake: FakeEngine, max_message_bytes: int | None = None) -> tuple[grpc.aio.Server, str]:
+    """Serve `fake` on a free loopback port; (server, address). `max_message_bytes`: the messages it takes and sends
+    (the real engine's 64 MiB, say); None: grpc's defaults (4 MiB in)."""
+    limits = [] if max_message_bytes is None else [("grpc.max_receive_message_length", max_message_bytes),
+                                                    ("grpc.max_send_message_length", max_message_bytes)]
+    server = grpc.aio.server(options=limits)
     engine_pb2_grpc.add_EngineServiceServicer_to_server(fake, server)
     health_servicer = health.aio.HealthServicer()
     await health_servicer.set("ladle.v1.EngineService", health_pb2.HealthCheckResponse.SERVING)

@@ -6,7 +6,9 @@ answers' shapes, the engine's field names, routing's key) are tested apart, firs
 
 from __future__ import annotations
 
+import io
 import json
+import wave
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,17 @@ from tests.unit.test_gateway_audio import MP3, wav
 
 CLIP = wav(1.5)  # 1.5 s of 16 kHz mono WAV: 48,044 bytes
 TRANSCRIBE, TRANSLATE = types_pb2.TRANSCRIPTION_TASK_TRANSCRIBE, types_pb2.TRANSCRIPTION_TASK_TRANSLATE
+
+
+def silence(seconds: float, channels: int, rate: int) -> bytes:
+    """A 16-bit WAV file of silence."""
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(channels)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(bytes(int(seconds * rate) * channels * 2))
+    return buffer.getvalue()
 
 
 def heard(size: int = len(CLIP), verb: str = "heard", prompt: str = "") -> str:
@@ -274,6 +287,19 @@ async def test_bodies_that_are_no_form_or_too_large(fake: tuple[FakeEngine, str]
         unknown = await http.post("/v1/audio/transcriptions", **form({"model": "whisper-1"}))
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
     assert len(fake[0].heard) == 1
+
+
+async def test_a_clip_up_to_the_audio_cap_reaches_the_engine_whole(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    grpc_server, address = await start_fake_engine(engine, max_message_bytes=64 * 1024 * 1024)  # the engine's
+    big = silence(25.0, channels=2, rate=48_000)  # 4.8 MB: more than grpc's default 4 MiB message, within 30 s
+    try:
+        async with gateway_client(address, tmp_path, max_audio_bytes=len(big)) as http:
+            reply = await sdk(http).audio.transcriptions.create(model=MODEL, file=("long.wav", big),
+                                                                response_format="verbose_json")
+    finally:
+        await grpc_server.stop(None)
+    assert engine.heard[0][0].audio.data == big and (reply.text, reply.duration) == (heard(len(big)), 25.0)
 
 
 async def test_a_model_that_does_not_transcribe_refuses_a_clip(tmp_path: Path) -> None:
