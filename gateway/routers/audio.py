@@ -10,7 +10,8 @@ that does not transcribe, a clip too long, an unknown language) is a 400 naming 
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import pydantic
 from fastapi import APIRouter, Depends
@@ -68,21 +69,36 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+@dataclass(frozen=True)
+class SpeechCall:
+    """What a speech-to-text call uses besides its form: a dependency FastAPI fills from the route's."""
+
+    http: HttpRequest
+    pool: Pool
+    metrics: Metrics
+    rid: CallId
+    project: Project
+    config: Config
+    limiter: Limiter
+
+
+Speech = Annotated[SpeechCall, Depends()]
+
+
 @router.post(TRANSCRIPTIONS, response_model=None, openapi_extra=FORM_BODY, responses=RESPONSES)
-async def create_transcription(http: HttpRequest, pool: Pool, metrics: Metrics, rid: CallId, project: Project,
-                               config: Config, limiter: Limiter) -> Any:
-    return await _speech_to_text(http, "transcribe", TRANSCRIPTIONS, pool, metrics, rid, project, config, limiter)
+async def create_transcription(call: Speech) -> Any:
+    return await _speech_to_text(call, "transcribe", TRANSCRIPTIONS)
 
 
 @router.post(TRANSLATIONS, response_model=None, openapi_extra=FORM_BODY, responses=RESPONSES)
-async def create_translation(http: HttpRequest, pool: Pool, metrics: Metrics, rid: CallId, project: Project,
-                             config: Config, limiter: Limiter) -> Any:
-    return await _speech_to_text(http, "translate", TRANSLATIONS, pool, metrics, rid, project, config, limiter)
+async def create_translation(call: Speech) -> Any:
+    return await _speech_to_text(call, "translate", TRANSLATIONS)
 
 
-async def _speech_to_text(http: HttpRequest, task: Task, route: str, pool: Pool, metrics: Metrics, rid: CallId,
-                          project: Project, config: Config, limiter: Limiter) -> Any:
-    received = await receive_audio_form(http, config.max_audio_bytes)
+async def _speech_to_text(call: SpeechCall, task: Task, route: str) -> Any:
+    """The clip of `call`'s form as `task`, answered in its response_format (or streamed); `route` labels it."""
+    http, pool, project = call.http, call.pool, call.project
+    received = await receive_audio_form(http, call.config.max_audio_bytes)
     try:
         form = TranscriptionForm.model_validate(received.values(LIST_FIELDS))
     except pydantic.ValidationError as exc:
@@ -92,11 +108,11 @@ async def _speech_to_text(http: HttpRequest, task: Task, route: str, pool: Pool,
     if not received.file:
         raise invalid("the audio file is empty", "file")
     served = served_or_default(pool, form.model)
-    request = transcriptions.transcription_request(form, received.file, task, rid, project_cache_salt(project),
+    request = transcriptions.transcription_request(form, received.file, task, call.rid, project_cache_salt(project),
                                                    served.adapter)
     # The clip is not text: the rate limiter's estimate is of the form's text alone, and the output cap.
-    admission = await limiter.admit(http.state, project, received.text_bytes, form.max_completion_tokens)
-    timer = RequestTimer(metrics, route, project, served.id, admission)
+    admission = await call.limiter.admit(http.state, project, received.text_bytes, form.max_completion_tokens)
+    timer = RequestTimer(call.metrics, route, project, served.id, admission)
     try:
         if form.stream:
             messages = await calls.started(calls.stream(pool, request))
