@@ -20,7 +20,7 @@ from openai.types.audio import TranscriptionTextDeltaEvent, TranscriptionTextDon
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.routing import input_bytes
+from gateway.routing import CHUNK_BYTES, clip_key, input_bytes, prefix_hashes
 from gateway.schemas.audio import TranscriptionForm
 from gateway.translate import transcriptions
 from gateway.translate.languages import LANGUAGE_NAMES, language_name
@@ -109,8 +109,10 @@ def test_the_engines_field_names_become_the_forms() -> None:
 
 def test_a_transcription_is_routed_by_its_clip_then_its_task_language_and_prompt() -> None:
     key = input_bytes(types_pb2.Input(transcription=speech(language="de", prompt="p")))
-    assert key.startswith(CLIP) and key != input_bytes(types_pb2.Input(transcription=speech(language="fr")))
-    assert input_bytes(types_pb2.Input(transcription=speech())) == CLIP + b"\x001\x00\x00"
+    assert key.startswith(clip_key(CLIP)) and key != input_bytes(types_pb2.Input(transcription=speech(language="fr")))
+    assert input_bytes(types_pb2.Input(transcription=speech())) == clip_key(CLIP) + b"\x001\x00\x00"
+    assert len(clip_key(CLIP)) == CHUNK_BYTES and clip_key(CLIP) != clip_key(MP3)
+    assert len(prefix_hashes(input_bytes(types_pb2.Input(transcription=speech())))) == 1  # a clip is one chunk
 
 
 def test_the_routes_document_openais_form_and_every_answer() -> None:
