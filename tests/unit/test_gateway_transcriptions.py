@@ -243,6 +243,24 @@ async def test_a_stream_the_engine_refuses_is_an_http_error(fake: tuple[FakeEngi
     assert bad.value.status_code == 400 and bad.value.param == "language"
 
 
+async def test_a_stream_cut_after_its_first_text_ends_with_an_error_event(tmp_path: Path) -> None:
+    engine = FakeEngine(unavailable=True, unavailable_after_output=True)
+    grpc_server, address = await start_fake_engine(engine)
+    try:
+        async with gateway_client(address, tmp_path) as http:
+            stream = await sdk(http).audio.transcriptions.create(model=MODEL, file=CLIP, stream=True)
+            received = []
+            with pytest.raises(openai.APIError, match="the engine is unavailable"):
+                async for event in stream:
+                    received.append(event)
+            metrics = (await http.get("/metrics")).text
+    finally:
+        await grpc_server.stop(None)
+    assert [e.type for e in received] == ["transcript.text.delta"]  # what came before the engine went away
+    assert 'ladle_gateway_usage_tokens_total{kind="interactive",model="fake-model",project="default",type="output"} ' \
+        '1.0' in metrics  # billed for what was sent
+
+
 def form(fields: dict[str, str], file: bytes | None = CLIP) -> dict[str, Any]:
     """httpx's multipart arguments for a form of these text fields and this clip (None: the clip in a part named
     otherwise)."""
