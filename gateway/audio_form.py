@@ -25,11 +25,11 @@ FORM_OVERHEAD_BYTES = 1024 * 1024  # boundaries, part headers and the text field
 
 @dataclass
 class AudioForm:
-    """A received audio form: the `file` part's bytes (None: the body had none), its file name, the text fields
-    (name -> every value given, in order) and the body's size."""
+    """A received audio form: the `file` part's bytes (None: the body had none; its file name is not used, the
+    engine finds the format in the bytes), the text fields (name -> every value given, in order) and the body's
+    size."""
 
     file: bytes | None = None
-    filename: str = ""
     fields: dict[str, list[str]] = field(default_factory=dict)
     body_bytes: int = 0
 
@@ -104,7 +104,6 @@ class _FormReader:
             if self.form.file is not None:
                 raise invalid("send one `file` part", "file")
             self.form.file = b""
-            self.form.filename = params.get(b"filename", b"").decode("utf-8", "replace")
             self._part = "file"
         elif name:
             self._fields += 1
