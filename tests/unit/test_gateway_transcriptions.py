@@ -306,7 +306,20 @@ async def test_bodies_that_are_no_form_or_too_large(fake: tuple[FakeEngine, str]
         assert twice.status_code == 400 and twice.json()["error"]["param"] == "language"
         unknown = await http.post("/v1/audio/transcriptions", **form({"model": "whisper-1"}))
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
-    assert len(fake[0].heard) == 1
+        two = await http.post("/v1/audio/transcriptions", files=[("file", ("a.wav", CLIP)), ("file", ("b.wav", CLIP))])
+        assert two.status_code == 400 and "one `file` part" in two.json()["error"]["message"]
+        # Without a Content-Length (chunked), the body is capped as it arrives.
+        for clip, status in ((CLIP, 200), (wav(2.0), 413)):
+            encoded = httpx.Request("POST", "http://gw", files={"file": ("a.wav", clip)})
+            chunked = await http.post("/v1/audio/transcriptions", content=chunks(encoded.read()),
+                                      headers={"Content-Type": encoded.headers["Content-Type"]})
+            assert chunked.status_code == status, chunked.text
+    assert len(fake[0].heard) == 2
+
+
+async def chunks(body: bytes, size: int = 8192) -> AsyncIterator[bytes]:
+    for start in range(0, len(body), size):
+        yield body[start:start + size]
 
 
 async def test_a_clip_up_to_the_audio_cap_reaches_the_engine_whole(tmp_path: Path) -> None:
