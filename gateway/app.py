@@ -28,6 +28,7 @@ from gateway.rate_limits import RateLimiter, RateLimits
 from gateway.responses.service import ResponseService
 from gateway.routers import (
     adapters,
+    audio,
     batch_chat,
     batches,
     chat,
@@ -105,7 +106,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, metrics=metrics, max_request_bytes=config.max_request_bytes,
                        keys=keys, tracer=tracing.tracer)
-    for module in (models, chat, completions, batch_chat, embeddings, scores, files, batches, responses,
+    for module in (models, chat, completions, batch_chat, embeddings, scores, audio, files, batches, responses,
                    conversations, tokenize, usage, adapters, operations):
         app.include_router(module.router)
     app.include_router(tokenize.version_router)

@@ -34,9 +34,11 @@ KNOWN_ROUTES = frozenset({
     "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/files", "/v1/batches", "/health", "/metrics",
     "/v1/responses", "/v1/organization/usage/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
     "/v1/responses/input_tokens", "/v1/conversations", "/tokenize", "/detokenize", "/version",
+    "/v1/audio/transcriptions", "/v1/audio/translations",
 })
-# Routes that read their body as a stream and cap it themselves (uploads may be far larger than a request).
-OWN_BODY_LIMIT = frozenset({"/v1/files"})
+# Routes that read their body as a stream and cap it themselves (uploads may be far larger than a request; an audio
+# clip is capped by --max-audio-mib).
+OWN_BODY_LIMIT = frozenset({"/v1/files", "/v1/audio/transcriptions", "/v1/audio/translations"})
 # Paths answered without the API key: load balancers' health checks, the API's public description, the version.
 PUBLIC_PATHS = frozenset({"/health", "/openapi.json", "/version"})
 METRICS_PATH = "/metrics"  # the operator's key only (deps.authorize_metrics), not any project's

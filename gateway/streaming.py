@@ -1,4 +1,5 @@
-"""Engine streams -> OpenAI chunk dicts for chat and completions (encoded as SSE by `gateway.sse`).
+"""Engine streams -> OpenAI chunk dicts for chat and completions, and events for transcriptions (encoded as SSE
+by `gateway.sse`).
 
 Per choice, chat sends a role chunk first, then content chunks, then a chunk holding only the finish reason;
 completions sends text chunks and then the finish chunk. With `stream_options.include_usage`, every chunk has
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.deps import RequestTimer
-from gateway.translate import from_engine
+from gateway.translate import from_engine, transcriptions
 from ladle.v1 import engine_pb2, types_pb2
 
 
@@ -139,3 +140,28 @@ async def completion_chunks(
         timer.finish(used.values())
     if header.include_usage:
         yield header.usage_chunk(list(used.values()))
+
+
+async def transcript_events(
+    messages: AsyncIterator[engine_pb2.StreamResponse], timer: RequestTimer, want_logprobs: bool
+) -> AsyncIterator[dict[str, Any]]:
+    """A transcription's stream as OpenAI sends it: a `transcript.text.delta` event per engine message with new
+    text (the leading white space of the text trimmed, as the whole text's is), then `transcript.text.done` with
+    the whole text and the usage (and, with `want_logprobs`, every token's logprob on each)."""
+    used = types_pb2.Usage()
+    parts: list[str] = []
+    entries: list[dict[str, Any]] = []
+    try:
+        async for message in messages:
+            timer.token()
+            used = from_engine.used(message)
+            for delta in message.choices[:1]:
+                text = delta.text if any(parts) else delta.text.lstrip()
+                parts.append(text)
+                event = transcriptions.delta_event(text, delta.logprobs, want_logprobs)
+                entries += event.get("logprobs", [])
+                if text or event.get("logprobs"):
+                    yield event
+    finally:
+        timer.finish([used])
+    yield transcriptions.done_event("".join(parts), used, entries if want_logprobs else None)

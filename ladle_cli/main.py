@@ -242,7 +242,8 @@ def _gateway_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--max-image-mib", 20.0, "largest image a chat message may carry in MiB, in a data: URL or fetched "
          "(then HTTP 400)", type=float)
     _add(parser, "--max-audio-mib", 25.0, "largest audio clip a chat message may carry in MiB, as input_audio data, "
-         "in a data: URL or fetched (then HTTP 400)", type=float)
+         "in a data: URL or fetched (then HTTP 400), and largest file of /v1/audio/transcriptions and "
+         "/v1/audio/translations (then HTTP 413)", type=float)
     _add(parser, "--image-fetch-timeout", 10.0, "seconds fetching an http(s) image or audio URL of a chat message may "
          "take, redirects included (then HTTP 400)", type=float)
     _add(parser, "--allowed-media-domains", "", "host names image and audio URLs may be fetched from, comma-separated "

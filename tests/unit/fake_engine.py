@@ -11,6 +11,13 @@ A chat turn's `content_parts` echo as their text with each image as `<image N>` 
 `content_parts` both set, a part with neither text, an image nor audio, an image when `reads_images` is false, a clip
 when `reads_audio` is false, as a model without that tower refuses it), and every image received is kept in
 `images`, every clip in `audio`.
+An `Input.transcription` is heard as a speech-to-text engine hears it, under its rules (INVALID_ARGUMENT naming the
+field: no clip, a clip longer than MAX_CLIP_S, a language not in FAKE_LANGUAGES by code or name, an unknown task; a
+transcription when `transcribes` is false, as a text model refuses it, and any other input when `speech_only`, as a
+Whisper engine refuses it): its reply is `heard_text` (the task's verb and the clip's size) with one token per
+word, the logprobs when asked, and TranscriptionInfo (the request's language as a code, or "en" as if detected; the
+clip's duration, read from a WAV header, else 16-bit mono 16 kHz); every transcription received is kept, with its
+sampling, in `heard`. A stream sends its words in two messages, the info on the first.
 It keeps the real engine's rules for a Batch call: an item id must be non-empty and unique within the call
 (else the item fails INVALID_ARGUMENT, as engine_server.server.servicer answers), and the call reads at most
 2 x `max_num_seqs` items ahead of its answers (the engine's intake window; the caller's further items wait).
@@ -31,7 +38,9 @@ import array
 import asyncio
 import contextlib
 import hashlib
+import io
 import math
+import wave
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -46,6 +55,8 @@ from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 
 MODEL = "fake-model"
 DIMENSIONS = 8  # length of the fake engine's embeddings
+MAX_CLIP_S = 30.0  # Whisper's window: longer clips are refused
+FAKE_LANGUAGES = {"en": "english", "de": "german", "fr": "french", "es": "spanish", "ja": "japanese"}
 
 
 @dataclass
@@ -74,6 +85,10 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     images: list[bytes] = field(default_factory=list)  # every image of a chat turn received, in order
     reads_audio: bool = True  # False: a turn with an audio clip is refused, as a model that hears none refuses it
     audio: list[bytes] = field(default_factory=list)  # every audio clip of a chat turn received, in order
+    transcribes: bool = True  # False: an Input.transcription is refused, as a text model's engine refuses it
+    speech_only: bool = False  # True: every other input is refused, as a speech-to-text model's engine refuses it
+    # Every transcription received (Generate and Stream), with the request's sampling, in order.
+    heard: list[tuple[types_pb2.Transcription, types_pb2.SamplingParams]] = field(default_factory=list)
     _kills: set[asyncio.Event] = field(default_factory=set)  # one per Batch call running
 
     def kill_calls(self) -> None:
@@ -101,10 +116,36 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         self.audio += [p.audio.data for m in value.chat.messages for p in m.content_parts if p.HasField("audio")]
         return None
 
+    def _speech_refusal(self, value: types_pb2.Input) -> tuple[str, str] | None:
+        """(message, param) of the engine's INVALID_ARGUMENT for an input under the speech rules; None if it is
+        fine (a transcription is then kept in `heard` by the caller)."""
+        kind = value.WhichOneof("kind")
+        if kind != "transcription":
+            return ("this is a speech-to-text model; it takes an Input.transcription only", "input") \
+                if self.speech_only else None
+        if not self.transcribes:
+            return "this model does not transcribe speech; it takes no Input.transcription", "input"
+        speech = value.transcription
+        if not speech.audio.data:
+            return "a transcription needs its audio clip (Audio.data)", "transcription.audio"
+        if speech.language and _language_code(speech.language) is None:
+            return f"unknown language {speech.language!r}", "transcription.language"
+        if speech.task not in types_pb2.TranscriptionTask.values():
+            return f"unknown task {speech.task}", "transcription.task"
+        if (seconds := clip_seconds(speech.audio.data)) > MAX_CLIP_S:
+            return f"the clip is {seconds:.1f} s long; this model hears at most {MAX_CLIP_S:g} s", "transcription.audio"
+        return None
+
     async def Generate(self, request: engine_pb2.GenerateRequest, context: Any) -> engine_pb2.GenerateResponse:
         await asyncio.sleep(self.delay_s)
         if self.unavailable:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
+        if (refused := self._speech_refusal(request.input)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused[0], (("ladle-param", refused[1]),))
+        if request.input.HasField("transcription"):
+            self.heard.append((request.input.transcription, request.sampling))
+            self.generated += 1
+            return _heard_reply(request.request_id, request.input.transcription, request.sampling)
         if (refused := self._chat_refusal(request.input)) is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused[0], (("ladle-param", refused[1]),))
         self.generated += 1
@@ -115,6 +156,16 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     ) -> AsyncIterator[engine_pb2.StreamResponse]:
         if self.unavailable and not self.unavailable_after_output:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
+        if (refused := self._speech_refusal(request.input)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused[0], (("ladle-param", refused[1]),))
+        if request.input.HasField("transcription"):
+            self.heard.append((request.input.transcription, request.sampling))
+            for message in _heard_stream(request.request_id, request.input.transcription, request.sampling):
+                yield message
+                if self.unavailable:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
+            self.generated += 1
+            return
         if (refused := self._chat_refusal(request.input)) is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused[0], (("ladle-param", refused[1]),))
         text = _input_text(request.input).upper()
@@ -305,7 +356,85 @@ def _result(request: engine_pb2.GenerateRequest, text: str) -> engine_pb2.Genera
     return result
 
 
+def _language_code(language: str) -> str | None:
+    """A language's code in FAKE_LANGUAGES, given as a code or a name; None for one the fake does not know."""
+    language = language.lower()
+    if language in FAKE_LANGUAGES:
+        return language
+    return next((code for code, name in FAKE_LANGUAGES.items() if name == language), None)
+
+
+def clip_seconds(data: bytes) -> float:
+    """A clip's length as the fake reads it: a WAV file's frames over its rate; any other file as 16-bit mono 16
+    kHz samples."""
+    if data[:4] == b"RIFF":
+        with contextlib.suppress(wave.Error, EOFError), wave.open(io.BytesIO(data)) as clip:
+            return clip.getnframes() / clip.getframerate()
+    return len(data) / 32_000
+
+
+def heard_text(speech: types_pb2.Transcription) -> str:
+    """The fake model's words for a clip: what it did and the clip's size, after the prompt's words if any (led by
+    a space, as Whisper's text is)."""
+    verb = "translated" if speech.task == types_pb2.TRANSCRIPTION_TASK_TRANSLATE else "heard"
+    after = f" after {speech.prompt}" if speech.prompt else ""
+    return f" {verb} {len(speech.audio.data)} bytes{after}"
+
+
+def _heard_pieces(speech: types_pb2.Transcription, sampling: types_pb2.SamplingParams
+                  ) -> list[tuple[str, int, types_pb2.TokenLogprob | None]]:
+    """Each word of `heard_text` (with its leading space), its token id, and its logprob when asked for."""
+    words = [" " + w for w in heard_text(speech).split()]
+    return [(w, 100 + i, types_pb2.TokenLogprob(token_id=100 + i, token=w, logprob=-0.25 * (i + 1),
+                                               token_bytes=w.encode()) if sampling.logprobs else None)
+            for i, w in enumerate(words)]
+
+
+def _heard_info(speech: types_pb2.Transcription) -> types_pb2.TranscriptionInfo:
+    return types_pb2.TranscriptionInfo(language=_language_code(speech.language) or "en",
+                                       duration_seconds=clip_seconds(speech.audio.data))
+
+
+def _heard_usage(speech: types_pb2.Transcription, completion: int) -> types_pb2.Usage:
+    """Four prompt tokens (Whisper's start, language, task and no-timestamps tokens) and one per prompt word."""
+    prompt = 4 + len(speech.prompt.split())
+    return types_pb2.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _heard_reply(request_id: str, speech: types_pb2.Transcription, sampling: types_pb2.SamplingParams
+                 ) -> engine_pb2.GenerateResponse:
+    pieces = _heard_pieces(speech, sampling)
+    result = engine_pb2.GenerateResponse(request_id=request_id, model=MODEL, transcription=_heard_info(speech),
+                                         usage=_heard_usage(speech, len(pieces)))
+    result.choices.add(index=0, text="".join(w for w, _, _ in pieces), token_ids=[t for _, t, _ in pieces],
+                       logprobs=[lp for _, _, lp in pieces if lp is not None],
+                       finish_reason=types_pb2.FINISH_REASON_STOP)
+    return result
+
+
+def _heard_stream(request_id: str, speech: types_pb2.Transcription, sampling: types_pb2.SamplingParams
+                  ) -> list[engine_pb2.StreamResponse]:
+    pieces = _heard_pieces(speech, sampling)
+    half = len(pieces) // 2
+    messages = []
+    for number, part in enumerate((pieces[:half], pieces[half:])):
+        last = number == 1
+        delta = types_pb2.ChoiceDelta(index=0, text="".join(w for w, _, _ in part), token_ids=[t for _, t, _ in part],
+                                      logprobs=[lp for _, _, lp in part if lp is not None],
+                                      finish_reason=types_pb2.FINISH_REASON_STOP if last else None)
+        so_far = _heard_usage(speech, half if not last else len(pieces))
+        message = engine_pb2.StreamResponse(request_id=request_id, choices=[delta], usage_so_far=so_far)
+        if last:
+            message.usage.CopyFrom(so_far)
+        else:
+            message.transcription.CopyFrom(_heard_info(speech))
+        messages.append(message)
+    return messages
+
+
 def _input_text(value: types_pb2.Input) -> str:
+    if value.WhichOneof("kind") == "transcription":
+        return heard_text(value.transcription)
     if value.WhichOneof("kind") == "chat":
         last = value.chat.messages[-1]
         return "".join(_part_text(p) for p in last.content_parts) or last.content
@@ -379,9 +508,12 @@ def _score_result(request: engine_pb2.ScoreRequest) -> engine_pb2.ScoreResponse:
     return result
 
 
-async def start_fake_engine(fake: FakeEngine) -> tuple[grpc.aio.Server, str]:
-    """Serve `fake` on a free loopback port; (server, address)."""
-    server = grpc.aio.server()
+async def start_fake_engine(fake: FakeEngine, max_message_bytes: int | None = None) -> tuple[grpc.aio.Server, str]:
+    """Serve `fake` on a free loopback port; (server, address). `max_message_bytes`: the messages it takes and sends
+    (the real engine's 64 MiB, say); None: grpc's defaults (4 MiB in)."""
+    limits = [] if max_message_bytes is None else [("grpc.max_receive_message_length", max_message_bytes),
+                                                    ("grpc.max_send_message_length", max_message_bytes)]
+    server = grpc.aio.server(options=limits)
     engine_pb2_grpc.add_EngineServiceServicer_to_server(fake, server)
     health_servicer = health.aio.HealthServicer()
     await health_servicer.set("ladle.v1.EngineService", health_pb2.HealthCheckResponse.SERVING)

@@ -1,0 +1,168 @@
+"""OpenAI's speech-to-text forms <-> ladle.v1: a transcription or translation form and its clip as one
+GenerateRequest with `Input.transcription`, and the engine's reply as each `response_format` answers it. Pure
+functions.
+
+The engine decodes without timestamps, so a clip is one segment: verbose_json has one segment from 0 to the clip's
+duration (its text, token ids, temperature, its tokens' mean log-probability and Whisper's compression ratio;
+`no_speech_prob` is not measured: null), srt and vtt one cue over the clip. The text answered is the model's with
+its surrounding white space trimmed (Whisper starts with a space), as OpenAI answers; the segment's is untrimmed.
+Usage is OpenAI's token usage (`{"type": "tokens", ...}`) in json and in a stream's done event, the clip's seconds
+(`{"type": "duration", ...}`) in verbose_json, as the SDK types them.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+from gateway.errors import invalid
+from gateway.schemas.audio import STREAMED_FORMATS, Task, TranscriptionForm
+from gateway.translate.languages import ENGLISH, language_name
+from gateway.translate.to_engine import ENGINE_SEEDS
+from ladle.v1 import engine_pb2, types_pb2
+
+TASKS = {"transcribe": types_pb2.TRANSCRIPTION_TASK_TRANSCRIBE, "translate": types_pb2.TRANSCRIPTION_TASK_TRANSLATE}
+MEDIA_TYPES = {"json": "application/json", "verbose_json": "application/json", "text": "text/plain",
+               "srt": "application/x-subrip", "vtt": "text/vtt"}
+# The engine's names for a transcription's fields (its INVALID_ARGUMENT's `ladle-param`) -> the form's.
+_FORM_PARAMS = {"audio": "file", "audio.data": "file", "input": "file", "max_tokens": "max_completion_tokens"}
+_OPTIONAL_SAMPLING = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def check_form(form: TranscriptionForm) -> None:
+    """400 naming the field for what the engine cannot give: `word` timestamps (Whisper is run without
+    timestamps), an `include` other than logprobs, logprobs in a format other than json (as OpenAI), a stream in a
+    format other than json or text (its events are text), and a translation into another language than English."""
+    if "word" in form.timestamp_granularities:
+        raise invalid("timestamp_granularities: `word` is not available: the engine decodes without timestamps, so "
+                      "it has no word timings; leave it out, or ask for `segment` (one segment covering the clip)",
+                      "timestamp_granularities")
+    for item in form.include:
+        if item != "logprobs":
+            raise invalid(f"include: {item!r} is not available; the one include this server gives is 'logprobs'",
+                          "include")
+    if form.include and form.response_format != "json":
+        raise invalid("include: 'logprobs' comes with response_format json only, as OpenAI gives it", "include")
+    if form.stream and form.response_format not in STREAMED_FORMATS:
+        raise invalid(f"stream: a stream sends text events; response_format must be json or text, not "
+                      f"{form.response_format}", "stream")
+    if form.to_language is not None and form.to_language.lower() not in ("", "en", "english"):
+        raise invalid(f"to_language: the model translates into English only, not {form.to_language!r}",
+                      "to_language")
+
+
+def transcription_request(
+    form: TranscriptionForm, audio: bytes, task: Task, request_id: str, cache_salt: str = "", adapter: str = ""
+) -> engine_pb2.GenerateRequest:
+    """One Generate request for the clip: `Input.transcription` (the bytes as they came, the language, the task,
+    the prompt) and the form's sampling, greedy unless `temperature` is set; log-probabilities when the answer
+    shows them (include logprobs) or is made of them (verbose_json's avg_logprob). 400 as `check_form`."""
+    check_form(form)
+    transcription = types_pb2.Transcription(audio=types_pb2.Audio(data=audio), language=form.language or "",
+                                            task=TASKS[task], prompt=form.prompt)
+    sampling = types_pb2.SamplingParams(temperature=form.temperature if form.temperature is not None else 0.0,
+                                        logprobs=form.want_logprobs or form.response_format == "verbose_json")
+    if form.max_completion_tokens is not None:
+        sampling.max_tokens = form.max_completion_tokens
+    for name in _OPTIONAL_SAMPLING:
+        if (value := getattr(form, name)) is not None:
+            setattr(sampling, name, value)
+    if form.seed is not None:
+        sampling.seed = form.seed % ENGINE_SEEDS  # as chat's: OpenAI's seeds are int64, the engine's unsigned
+    return engine_pb2.GenerateRequest(request_id=request_id, input=types_pb2.Input(transcription=transcription),
+                                      sampling=sampling, cache_salt=cache_salt, adapter=adapter)
+
+
+def form_param(param: str | None) -> str | None:
+    """The form field an engine's refusal names (`ladle-param`: `transcription.language` -> `language`, the clip's
+    `audio` -> `file`, `max_tokens` -> `max_completion_tokens`); other names unchanged, None stays None."""
+    if param is None:
+        return None
+    name = param.removeprefix("input.").removeprefix("transcription.")
+    return _FORM_PARAMS.get(name, name)
+
+
+def token_usage(usage: types_pb2.Usage) -> dict[str, Any]:
+    """OpenAI's token usage of a transcription."""
+    return {"type": "tokens", "input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+def logprobs(entries: Any) -> list[dict[str, Any]]:
+    """OpenAI's transcription logprobs (token, logprob, bytes) of the engine's TokenLogprob entries."""
+    return [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token_bytes)} for e in entries]
+
+
+def spoken_language(form: TranscriptionForm, task: Task, info: types_pb2.TranscriptionInfo) -> str:
+    """verbose_json's `language`: English for a translation (what it is written in), else the engine's language
+    (detected or the request's), by name."""
+    if task == "translate":
+        return ENGLISH
+    return language_name(info.language or form.language or "")
+
+
+def answer(
+    form: TranscriptionForm, task: Task, reply: engine_pb2.GenerateResponse
+) -> tuple[str | dict[str, Any], str]:
+    """The body of the reply in the form's `response_format`, and its media type."""
+    choice = reply.choices[0] if reply.choices else types_pb2.Choice()
+    text = choice.text.strip()
+    duration = reply.transcription.duration_seconds
+    fmt = form.response_format
+    if fmt == "text":
+        return text + "\n", MEDIA_TYPES[fmt]
+    if fmt == "srt":
+        return f"1\n{_clock(0.0, ',')} --> {_clock(duration, ',')}\n{text}\n\n", MEDIA_TYPES[fmt]
+    if fmt == "vtt":
+        return f"WEBVTT\n\n{_clock(0.0, '.')} --> {_clock(duration, '.')}\n{text}\n\n", MEDIA_TYPES[fmt]
+    if fmt == "verbose_json":
+        return {"task": task, "language": spoken_language(form, task, reply.transcription), "duration": duration,
+                "text": text, "segments": [segment(choice, duration, form.temperature or 0.0)],
+                "usage": {"type": "duration", "seconds": duration}}, MEDIA_TYPES[fmt]
+    body: dict[str, Any] = {"text": text}
+    if form.want_logprobs:
+        body["logprobs"] = logprobs(choice.logprobs)
+    body["usage"] = token_usage(reply.usage)
+    return body, MEDIA_TYPES[fmt]
+
+
+def segment(choice: types_pb2.Choice, duration: float, temperature: float) -> dict[str, Any]:
+    """The one segment of a clip decoded without timestamps: from 0 to its duration."""
+    found = [e.logprob for e in choice.logprobs]
+    return {"id": 0, "seek": 0, "start": 0.0, "end": duration, "text": choice.text,
+            "tokens": list(choice.token_ids), "temperature": temperature,
+            "avg_logprob": sum(found) / len(found) if found else None,
+            "compression_ratio": compression_ratio(choice.text), "no_speech_prob": None}
+
+
+def compression_ratio(text: str) -> float:
+    """Whisper's measure of a repetitive decode: the text's UTF-8 bytes over their zlib-compressed length."""
+    data = text.encode()
+    return len(data) / len(zlib.compress(data)) if data else 0.0
+
+
+def _clock(seconds: float, decimal: str) -> str:
+    """HH:MM:SS,mmm (SRT, `decimal` ",") or HH:MM:SS.mmm (WebVTT)."""
+    millis = round(seconds * 1000)
+    hours, millis = divmod(millis, 3_600_000)
+    minutes, millis = divmod(millis, 60_000)
+    whole, millis = divmod(millis, 1000)
+    return f"{hours:02d}:{minutes:02d}:{whole:02d}{decimal}{millis:03d}"
+
+
+def delta_event(text: str, entries: Any, want_logprobs: bool) -> dict[str, Any]:
+    """A stream's `transcript.text.delta` event for the engine's new text (and its logprobs, when asked)."""
+    event: dict[str, Any] = {"type": "transcript.text.delta", "delta": text}
+    if want_logprobs:
+        event["logprobs"] = logprobs(entries)
+    return event
+
+
+def done_event(text: str, usage: types_pb2.Usage, entries: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """A stream's last event, `transcript.text.done`: the whole text (trimmed), its usage, and every logprob
+    (None: not asked for)."""
+    event: dict[str, Any] = {"type": "transcript.text.done", "text": text.strip()}
+    if entries is not None:
+        event["logprobs"] = entries
+    event["usage"] = token_usage(usage)
+    return event
