@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from engine_server.core.request import Priority, Request
 from engine_server.errors import ValidationError
-from engine_server.frontend import ChatPrompt, InputProcessor, Prompt, core_request_id
+from engine_server.frontend import InputProcessor, Prompt, core_request_id
 from engine_server.pooling.params import PoolingParams
 from engine_server.sampling_params import SamplingParams
 
