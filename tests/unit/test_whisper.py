@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
 from benchmarks.vl_checkpoints import save_drawn
 from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -73,7 +74,7 @@ def save_whisper(folder: Path) -> Any:
         lang_to_id={f"<|{code}|>": ids[f"<|{code}|>"] for code in LANGUAGES},
         task_to_id={"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]},
         no_timestamps_token_id=ids["<|notimestamps|>"], prev_sot_token_id=ids["<|startofprev|>"],
-        is_multilingual=True, suppress_tokens=[5, 17, 66], begin_suppress_tokens=[220, eos], max_length=64,
+        is_multilingual=True, suppress_tokens=[5, 42, 213], begin_suppress_tokens=[220, eos, 101], max_length=64,
     )  # fmt: skip
     generation.save_pretrained(folder)
     model.generation_config = generation
@@ -81,22 +82,29 @@ def save_whisper(folder: Path) -> Any:
     return model
 
 
-def reference(folder: Path, model: Any, prompt: TranscriptionPrompt, new: int = NEW_TOKENS) -> list[int]:
-    """transformers' greedy output tokens for `prompt` (its decoder prompt left out; its language detected where the
-    prompt names none)."""
+def reference(
+    folder: Path, model: Any, prompt: TranscriptionPrompt, new: int = NEW_TOKENS
+) -> tuple[list[int], list[int]]:
+    """transformers' decoder prompt (its tokenizer's `get_prompt_ids`, then `<|startoftranscript|>`, the language's
+    token, `detect_language`'s where the prompt names none, the task's and `<|notimestamps|>`) and greedy output
+    tokens (`generate`) for `prompt`."""
     from transformers import AutoTokenizer, WhisperFeatureExtractor
 
-    features = WhisperFeatureExtractor.from_pretrained(folder)(heard(prompt.audio), sampling_rate=16_000,
-                                                               return_tensors="pt").input_features  # fmt: skip
+    extractor = WhisperFeatureExtractor.from_pretrained(folder)
+    features = extractor(heard(prompt.audio), sampling_rate=16_000, return_tensors="pt").input_features
     kwargs: dict[str, Any] = {"task": prompt.task, "language": prompt.language or None}
-    if prompt.prompt:
-        kwargs["prompt_ids"] = torch.tensor(AutoTokenizer.from_pretrained(folder).get_prompt_ids(prompt.prompt))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    previous = [int(t) for t in tokenizer.get_prompt_ids(prompt.prompt)] if prompt.prompt else []
+    if previous:
+        kwargs["prompt_ids"] = torch.tensor(previous)
+    generation = model.generation_config
     with torch.inference_mode():
         out = model.generate(features, max_new_tokens=new, do_sample=False, **kwargs)
-    tokens = [int(t) for t in out[0]]
-    start = tokens.index(model.generation_config.no_timestamps_token_id) + 1 if \
-        model.generation_config.no_timestamps_token_id in tokens else 0  # fmt: skip
-    return tokens[start:]
+        language = int(model.detect_language(features)[0]) if not prompt.language else \
+            generation.lang_to_id[f"<|{TO_LANGUAGE_CODE.get(prompt.language, prompt.language)}|>"]  # fmt: skip
+    ids = [*previous, generation.decoder_start_token_id, language, generation.task_to_id[prompt.task],
+           generation.no_timestamps_token_id]  # fmt: skip
+    return ids, [int(t) for t in out[0]]
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +127,146 @@ CASES = {
 }
 
 
-def test_smoke(whisper: tuple[Path, Any], served: LLM) -> None:
+def engine_in(folder: Path, chunk: int = 2048, kv_blocks: int = 0, quantization: str = "none") -> LLM:
+    """The offline engine on `folder` (max_model_len the model's 64 positions); `kv_blocks`: a KV pool of that many
+    16-token blocks of the 2-layer model instead of 64 MiB."""
+    memory = kv_blocks * 2 * 2 * 16 * 4 * 16 * 4 if kv_blocks else 64 * 1024**2  # layers, K/V, block, heads, dim, f32
+    return LLM(config=EngineConfig(
+        model=str(folder), device="cpu", quantization=quantization, cache=CacheConfig(memory_bytes=memory),
+        scheduler=SchedulerConfig(max_num_batched_tokens=chunk),
+    ))  # fmt: skip
+
+
+def prompts() -> list[TranscriptionPrompt]:
+    return [CASES[case]() for case in sorted(CASES)]
+
+
+@pytest.mark.parametrize("chunk", [2048, 3])
+def test_transcriptions_equal_transformers_generate(chunk: int, whisper: tuple[Path, Any]) -> None:
+    """Transcribe, translate (a language by name), a previous-text prompt (a 44.1 kHz stereo FLAC) and a detected
+    language (22.05 kHz), batched, whole and in chunks of 3: each prompt's ids and greedy tokens are transformers',
+    and each result says its language and clip length."""
     folder, model = whisper
-    for name, case in CASES.items():
-        prompt = case()
-        (result,) = served.generate([prompt], GREEDY, use_tqdm=False)
-        print(name, result.prompt_token_ids, result.choices[0].token_ids, reference(folder, model, prompt))
+    batch = prompts()
+    expected = [reference(folder, model, prompt) for prompt in batch]
+    with engine_in(folder, chunk=chunk) as llm:
+        results = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert [result.prompt_token_ids for result in results] == [ids for ids, _ in expected]
+    assert [result.choices[0].token_ids for result in results] == [tokens for _, tokens in expected]
+    infos = [result.transcription for result in results]
+    assert all(info is not None for info in infos)
+    assert [info.language for info in infos if info is not None][:3] == ["es", "fr", "en"]  # (detected, given)
+    assert [round(info.duration_seconds, 3) for info in infos if info is not None] == [3.0, 0.8, 1.5, 2.5]
+
+
+def test_preempted_transcriptions_answer_as_transformers_does(whisper: tuple[Path, Any]) -> None:
+    """Eight clips, 30 new tokens each, in a pool of 10 blocks, 8 tokens a step: requests are preempted and recomputed
+    (their K/V kept meanwhile, released at the end); each answer is transformers'."""
+    folder, model = whisper
+    batch = [TranscriptionPrompt(clip(40 + i, 0.5 + 0.3 * i), LANGUAGES[i % 4], prompt="the cat" * (i % 2))
+             for i in range(8)]  # fmt: skip
+    expected = [reference(folder, model, prompt, 30)[1] for prompt in batch]
+    with engine_in(folder, chunk=8, kv_blocks=10) as llm:
+        results = llm.generate(batch, dataclasses.replace(GREEDY, max_tokens=30), use_tqdm=False)
+        assert llm.core.scheduler.total_preemptions > 0
+        assert llm.core.runner.cross_states is not None and llm.core.runner.cross_states.num_requests == 0
+    assert [result.choices[0].token_ids for result in results] == expected
+
+
+def test_the_prefix_cache_keeps_apart_clips_behind_the_same_prompt(whisper: tuple[Path, Any], served: LLM) -> None:
+    """The same previous text and language with the same clip again is served from the prefix cache with the same
+    answer; with another clip (the same ids) it is not, and answers as transformers does for that clip."""
+    folder, model = whisper
+    first = TranscriptionPrompt(clip(5, 1.0), "en", prompt=PREVIOUS)
+    other = dataclasses.replace(first, audio=clip(6, 1.0))
+    again = [served.generate([prompt], GREEDY, use_tqdm=False)[0] for prompt in (first, first, other)]
+    assert again[0].prompt_token_ids == again[2].prompt_token_ids and len(again[0].prompt_token_ids) > 16
+    assert again[1].usage.cached_prompt_tokens >= 16 and again[2].usage.cached_prompt_tokens == 0
+    assert [r.choices[0].token_ids for r in again] == [reference(folder, model, p)[1] for p in (first, first, other)]
+    assert again[0].choices[0].token_ids != again[2].choices[0].token_ids  # (the clip is heard)
+
+
+def test_int8_runs_batch_invariant(whisper: tuple[Path, Any]) -> None:
+    """With int8 weights (the decoder's; the encoder and cross-attention in float) each clip gets the same tokens
+    alone as batched with the others."""
+    folder, _ = whisper
+    batch = prompts()
+    with engine_in(folder, quantization="int8") as llm:
+        batched = [result.choices[0].token_ids for result in llm.generate(batch, GREEDY, use_tqdm=False)]
+        alone = [llm.generate([prompt], GREEDY, use_tqdm=False)[0].choices[0].token_ids for prompt in batch]
+    assert batched == alone and all(len(tokens) == NEW_TOKENS for tokens in batched)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message", "param"),
+    [
+        (TranscriptionPrompt(clip(7, 31.0, 8_000), "en"), "31.0 s long; this model hears at most 30 s",
+         "input.transcription.audio"),
+        (TranscriptionPrompt(b"not audio", "en"), "cannot be read", "input.transcription.audio"),
+        (TranscriptionPrompt(clip(8, 1.0), "klingon"), "language 'klingon' is not one this model knows",
+         "input.transcription.language"),
+        (TranscriptionPrompt(clip(8, 1.0), "en", "summarize"), "task 'summarize'", "input.transcription.task"),
+        (TranscriptionPrompt(clip(8, 1.0), "en", prompt="hi <|en|>"), "special token", "input.transcription.prompt"),
+        ("plain text", "writes audio clips down: send an Input.transcription", "input"),
+        ([1, 2, 3], "writes audio clips down: send an Input.transcription", "input"),
+    ],
+)  # fmt: skip
+def test_what_whisper_does_not_serve_is_refused_by_name(
+    served: LLM, prompt: Any, message: str, param: str
+) -> None:
+    with pytest.raises(ValidationError, match=message) as refused:
+        served.generate([prompt], GREEDY, use_tqdm=False)
+    assert refused.value.param == param
+    (result,) = served.generate([CASES["transcribe"]()], GREEDY, use_tqdm=False)  # (the engine serves on)
+    assert len(result.choices[0].token_ids) == NEW_TOKENS
+
+
+def test_a_transcription_on_another_model_is_refused(tmp_path: Path) -> None:
+    from tests.families import save_family
+
+    with engine(save_family(tmp_path / "text", "llama")) as llm, \
+            pytest.raises(ValidationError, match="does not transcribe audio") as refused:  # fmt: skip
+        llm.generate([CASES["transcribe"]()], GREEDY, use_tqdm=False)
+    assert refused.value.param == "input.transcription"
+
+
+def test_unserved_configurations_are_refused(whisper: tuple[Path, Any], tmp_path: Path) -> None:
+    """Tensor parallelism, and a checkpoint stored quantized, are refused by name before anything loads."""
+    import json
+    import shutil
+
+    folder, _ = whisper
+    with pytest.raises(ValueError, match="Whisper is not served under tensor parallelism"):
+        LLM(config=EngineConfig(model=str(folder), device="cpu", tensor_parallel_size=2))
+    stored = tmp_path / "stored"
+    shutil.copytree(folder, stored)
+    config = json.loads((stored / "config.json").read_text())
+    (stored / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(ValueError, match="whisper checkpoints stored quantized \\(gptq\\) are not served"):
+        LLM(config=EngineConfig(model=str(stored), device="cpu"))
+
+
+def test_responses_carry_the_transcription_info(served: LLM) -> None:
+    """GenerateResponse and Stream's message carry the language and the clip's seconds (convert)."""
+    from engine_server.server import convert
+
+    (result,) = served.generate([CASES["translate"]()], GREEDY, use_tqdm=False)
+    response = convert.generate_response(result, "whisper")
+    assert response.transcription.language == "de" and round(response.transcription.duration_seconds, 3) == 2.5
+    first = convert.stream_response("r", [], "whisper", result.usage, transcription=result.transcription)
+    assert first.transcription.language == "de" and not convert.stream_response("r", [], "m", result.usage).HasField(
+        "transcription"
+    )
+
+
+def test_an_input_transcription_converts(served: LLM) -> None:
+    """`Input.transcription` becomes a TranscriptionPrompt (TRANSLATE, its language, its previous text); one without
+    audio is refused."""
+    from engine_server.server.convert import prompt_from_input
+    from ladle.v1 import types_pb2
+
+    message = types_pb2.Input(transcription=types_pb2.Transcription(
+        audio=types_pb2.Audio(data=b"RIFF"), language="de", task=types_pb2.TRANSCRIPTION_TASK_TRANSLATE, prompt="x"))
+    assert prompt_from_input(message) == TranscriptionPrompt(b"RIFF", "de", "translate", "x")
+    with pytest.raises(ValidationError, match="needs its audio clip"):
+        prompt_from_input(types_pb2.Input(transcription=types_pb2.Transcription(language="en")))
