@@ -1,5 +1,6 @@
 """Whisper (`engine_server.multimodal.whisper`, `models.whisper`): a tiny random `WhisperForConditionalGeneration`
-(d_model 64, 2 encoder and 2 decoder layers, its matrices drawn wide so outputs vary) saved by transformers with a
+(d_model 64, 2 encoder and 2 decoder layers, its matrices drawn wide so outputs vary, its biases and norms drawn
+too) saved by transformers with a
 `WhisperTokenizer` built offline (a byte-level BPE vocabulary of its own and Whisper's special tokens), a
 `WhisperFeatureExtractor` and a generation config with `lang_to_id`, `task_to_id`, `suppress_tokens` and
 `begin_suppress_tokens`. The oracle is transformers' own `model.generate(input_features, language=..., task=...,
@@ -19,7 +20,6 @@ import pytest
 import torch
 from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
-from benchmarks.vl_checkpoints import save_drawn
 from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_server.errors import ValidationError
 from engine_server.llm import LLM
@@ -67,14 +67,23 @@ def save_whisper(folder: Path) -> Any:
         decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=80, max_target_positions=64,
         decoder_start_token_id=ids["<|startoftranscript|>"], eos_token_id=eos, pad_token_id=eos, bos_token_id=eos,
     )  # fmt: skip
-    model = save_drawn(folder, transformers.WhisperForConditionalGeneration, config, lambda name: "encoder" in name,
-                       (0.25, 0.25))  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.WhisperForConditionalGeneration(config).eval()
+    with torch.no_grad():  # matrices wide, biases and norms off their zeros and ones (so that a lost bias shows)
+        for name, parameter in model.named_parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.25)
+            elif "layer_norm" in name and name.endswith("weight"):
+                parameter.normal_(1.0, 0.2)
+            else:
+                parameter.normal_(0.0, 0.2)
+    model.save_pretrained(folder)
     generation = transformers.GenerationConfig(
         decoder_start_token_id=ids["<|startoftranscript|>"], eos_token_id=eos, pad_token_id=eos, bos_token_id=eos,
         lang_to_id={f"<|{code}|>": ids[f"<|{code}|>"] for code in LANGUAGES},
         task_to_id={"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]},
         no_timestamps_token_id=ids["<|notimestamps|>"], prev_sot_token_id=ids["<|startofprev|>"],
-        is_multilingual=True, suppress_tokens=[5, 42, 213], begin_suppress_tokens=[220, eos, 101], max_length=64,
+        is_multilingual=True, suppress_tokens=[5, 88], begin_suppress_tokens=[220, eos, 107, 50], max_length=64,
     )  # fmt: skip
     generation.save_pretrained(folder)
     model.generation_config = generation
