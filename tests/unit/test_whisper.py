@@ -279,3 +279,55 @@ def test_an_input_transcription_converts(served: LLM) -> None:
     assert prompt_from_input(message) == TranscriptionPrompt(b"RIFF", "de", "translate", "x")
     with pytest.raises(ValidationError, match="needs its audio clip"):
         prompt_from_input(types_pb2.Input(transcription=types_pb2.Transcription(language="en")))
+
+
+async def test_generate_and_stream_over_grpc_detect_the_language_and_report_it(whisper: tuple[Path, Any]) -> None:
+    """Over the gRPC servicer on a served engine: a Generate with no language (detected first, its one-token request
+    beside) and a Stream translating, each answered with transformers' tokens and the clip's TranscriptionInfo (on
+    Stream's first message alone); a text prompt is refused (INVALID_ARGUMENT naming what is served)."""
+    import asyncio
+
+    import grpc
+
+    from engine_server.server.servicer import EngineServicer
+    from engine_server.server.serving import ServingEngine
+    from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
+
+    folder, model = whisper
+    detected, translated = CASES["detected"](), CASES["translate"]()
+    config = EngineConfig(model=str(folder), device="cpu", quantization="none",
+                          cache=CacheConfig(memory_bytes=64 * 1024**2))  # fmt: skip
+    engine = await asyncio.to_thread(ServingEngine.load, config, asyncio.get_running_loop())
+    servicer = EngineServicer()
+    servicer.attach(engine)
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    sampling = types_pb2.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+
+    def transcription(prompt: TranscriptionPrompt, task: types_pb2.TranscriptionTask.ValueType) -> types_pb2.Input:
+        return types_pb2.Input(transcription=types_pb2.Transcription(
+            audio=types_pb2.Audio(data=prompt.audio), language=prompt.language, task=task))  # fmt: skip
+
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = engine_pb2_grpc.EngineServiceStub(channel)
+            whole = await stub.Generate(engine_pb2.GenerateRequest(
+                input=transcription(detected, types_pb2.TRANSCRIPTION_TASK_UNSPECIFIED), sampling=sampling), timeout=60)
+            messages = [message async for message in stub.Stream(engine_pb2.StreamRequest(
+                input=transcription(translated, types_pb2.TRANSCRIPTION_TASK_TRANSLATE), sampling=sampling),
+                timeout=60)]  # fmt: skip
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Generate(engine_pb2.GenerateRequest(input=types_pb2.Input(text="hello"),
+                                                               sampling=sampling), timeout=60)  # fmt: skip
+    finally:
+        await server.stop(None)
+        await engine.close()
+    assert list(whole.choices[0].token_ids) == reference(folder, model, detected)[1]
+    assert whole.transcription.language == "es" and round(whole.transcription.duration_seconds, 3) == 3.0
+    assert [t for m in messages for c in m.choices for t in c.token_ids] == reference(folder, model, translated)[1]
+    assert messages[0].transcription.language == "de"
+    assert not any(m.HasField("transcription") for m in messages[1:])
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "send an Input.transcription" in str(refused.value.details())
