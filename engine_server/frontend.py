@@ -312,8 +312,9 @@ class InputProcessor:
         return dataclasses.replace(prompt, language=self.transcription.code_of(language_token))
 
     def _prepare_transcription(self, prompt: Prompt, params: SamplingParams) -> PreparedPrompt:
-        """A transcription's prompt (or its language's detection: one greedy token); ValidationError naming what is
-        served where the model or the prompt is not a transcription's."""
+        """A transcription's prompt (or its language's detection: one greedy token), its max_tokens capped by what the
+        context (Whisper's `max_target_positions`) leaves after the prompt; ValidationError naming what is served where
+        the model or the prompt is not a transcription's."""
         if self.transcription is None:
             raise ValidationError(self.transcription_refusal, "input.transcription")
         if isinstance(prompt, LanguageDetection):
@@ -324,7 +325,9 @@ class InputProcessor:
         else:
             raise ValidationError("this model (Whisper) writes audio clips down: send an Input.transcription, not "
                                   "text, chat or token ids", "input")  # fmt: skip
-        params = dataclasses.replace(params, suppress_token_ids=found.suppress_token_ids,
+        room = self.max_model_len - len(found.token_ids)  # (Whisper's context: its `max_target_positions`)
+        max_tokens = params.max_tokens if params.max_tokens is None else min(params.max_tokens, max(room, 1))
+        params = dataclasses.replace(params, suppress_token_ids=found.suppress_token_ids, max_tokens=max_tokens,
                                      begin_suppress_token_ids=found.begin_suppress_token_ids)  # fmt: skip
         return PreparedPrompt(found.token_ids, params, multimodal=found.clip, transcription=found.info)
 

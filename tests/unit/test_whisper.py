@@ -195,6 +195,14 @@ def test_the_prefix_cache_keeps_apart_clips_behind_the_same_prompt(whisper: tupl
     assert again[0].choices[0].token_ids != again[2].choices[0].token_ids  # (the clip is heard)
 
 
+def test_max_tokens_is_capped_by_the_decoders_positions(served: LLM) -> None:
+    """A max_tokens past what the 64 positions leave after the prompt is capped there, not refused."""
+    prompt = CASES["previous text"]()
+    (result,) = served.generate([prompt], SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True),
+                                use_tqdm=False)  # fmt: skip
+    assert len(result.prompt_token_ids) + len(result.choices[0].token_ids) == 64
+
+
 def test_int8_runs_batch_invariant(whisper: tuple[Path, Any]) -> None:
     """With int8 weights (the decoder's; the encoder and cross-attention in float) each clip gets the same tokens
     alone as batched with the others."""
