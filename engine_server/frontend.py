@@ -303,8 +303,8 @@ class InputProcessor:
 
     def needs_language(self, prompt: Prompt) -> bool:
         """Whether `prompt` is a transcription whose language the model must detect first (`LanguageDetection`)."""
-        return (self.transcription is not None and isinstance(prompt, TranscriptionPrompt)
-                and not prompt.language.strip())  # fmt: skip
+        return (self.transcription is not None and not self.transcription.english_only
+                and isinstance(prompt, TranscriptionPrompt) and not prompt.language.strip())  # fmt: skip
 
     def detected(self, prompt: TranscriptionPrompt, language_token: int) -> TranscriptionPrompt:
         """`prompt` in the language of `language_token` (its `LanguageDetection`'s output)."""

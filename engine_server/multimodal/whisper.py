@@ -8,7 +8,8 @@ it is released and shared by requests with the same clip (`WhisperCrossStates`, 
 The prompt: `<|startofprev|>` and the previous text's tokens where a `TranscriptionPrompt.prompt` is given (as
 `WhisperTokenizer.get_prompt_ids` makes them), then `<|startoftranscript|>`, the language token, the task token and
 `<|notimestamps|>`, their ids from `generation_config.json` (`decoder_start_token_id`, `lang_to_id`, `task_to_id`,
-`no_timestamps_token_id`, `prev_sot_token_id`), else the tokenizer's. A request without a language first runs a
+`no_timestamps_token_id`, `prev_sot_token_id`), else the tokenizer's (an English-only checkpoint, without
+`lang_to_id`: no language or task token, as `generate` lays it out). A request without a language first runs a
 one-token detection request (`detection`: `<|startoftranscript|>` alone, every token but the languages' suppressed:
 transformers' `detect_language`). Its outputs have generation_config's `suppress_tokens` suppressed throughout and its
 `begin_suppress_tokens` at the first (`SamplingParams.suppress_token_ids`, `begin_suppress_token_ids`), as `generate`
@@ -160,7 +161,9 @@ class WhisperCrossStep:
         self, position: int, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert residual is not None, "inside a layer the stream has its residual"
-        index = self._index.to(hidden.device)
+        if self._index.device != hidden.device:  # (moved once a step, not once a layer)
+            self._index = self._index.to(hidden.device)
+        index = self._index
         stream = hidden + residual
         dtype = self.rows[0].kv[0][0].dtype  # (the cross-attention's own)
         pieces = [
@@ -253,12 +256,9 @@ class WhisperTranscription:
         tasks = generation.get("task_to_id") or {}
         self.tasks = {task: int(tasks[task]) if task in tasks else token("", f"<|{task}|>") for task in _TASKS}
         self.languages: dict[str, int] = {str(k): int(v) for k, v in (generation.get("lang_to_id") or {}).items()}
-        if not self.languages:  # (a generation config without them: the tokenizer's language tokens)
-            from transformers.models.whisper.tokenization_whisper import LANGUAGES
-
-            found = {f"<|{code}|>": tokenizer.convert_tokens_to_ids(f"<|{code}|>") for code in LANGUAGES}
-            unknown = tokenizer.unk_token_id
-            self.languages = {key: int(i) for key, i in found.items() if i is not None and i != unknown}
+        # An English-only checkpoint (`.en`: no `lang_to_id`): its prompt has no language or task token, as
+        # transformers' `generate` lays it out; it transcribes English alone.
+        self.english_only = not self.languages
         self.suppress = tuple(int(t) for t in generation.get("suppress_tokens") or ())
         self.begin_suppress = tuple(int(t) for t in generation.get("begin_suppress_tokens") or ())
         self.special_ids = frozenset(int(i) for i in tokenizer.all_special_ids) | frozenset(self.languages.values())
@@ -280,6 +280,11 @@ class WhisperTranscription:
 
         key = language.strip().lower().removeprefix("<|").removesuffix("|>")
         code = TO_LANGUAGE_CODE.get(key, key)
+        if self.english_only and code in ("", "en"):
+            return "en"
+        if self.english_only:
+            raise ValidationError(f"language {language!r}: this Whisper model is English-only (it transcribes English "
+                                  "alone)", "input.transcription.language")  # fmt: skip
         if f"<|{code}|>" not in self.languages:
             raise ValidationError(f"language {language!r} is not one this model knows (an ISO code such as "
                                   "'en', or a name such as 'english')", "input.transcription.language")  # fmt: skip
@@ -293,11 +298,15 @@ class WhisperTranscription:
         """`prompt`'s decoder prompt in `language` (an ISO code this model knows) and its clip; ValidationError for a
         task other than transcribe or translate, a previous text holding a special token, or a clip that is no
         audio, empty or longer than the window (named with its length)."""
-        if prompt.task not in _TASKS:
-            raise ValidationError(f"task {prompt.task!r} is not one of {', '.join(_TASKS)}", "input.transcription.task")
+        if prompt.task not in _TASKS or (self.english_only and prompt.task != "transcribe"):
+            served = "transcribe (an English-only model)" if self.english_only else ", ".join(_TASKS)
+            raise ValidationError(f"task {prompt.task!r} is not served: {served}", "input.transcription.task")
         clip, info = self._clip(prompt.audio, language)
-        ids = [*self._previous_text(prompt.prompt), self.start, self.languages[f"<|{language}|>"],
-               self.tasks[prompt.task], self.no_timestamps]  # fmt: skip
+        if self.english_only:
+            ids = [*self._previous_text(prompt.prompt), self.start, self.no_timestamps]
+        else:
+            ids = [*self._previous_text(prompt.prompt), self.start, self.languages[f"<|{language}|>"],
+                   self.tasks[prompt.task], self.no_timestamps]  # fmt: skip
         return PreparedTranscription(ids, clip, info, self.suppress, self.begin_suppress)
 
     def detection(self, prompt: TranscriptionPrompt, vocab_size: int) -> PreparedTranscription:

@@ -195,6 +195,47 @@ def test_the_prefix_cache_keeps_apart_clips_behind_the_same_prompt(whisper: tupl
     assert again[0].choices[0].token_ids != again[2].choices[0].token_ids  # (the clip is heard)
 
 
+def test_an_english_only_checkpoint_lays_out_no_language_or_task_token(
+    whisper: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """A generation config without `lang_to_id` and `task_to_id` (an `.en` checkpoint's): the prompt is
+    `<|startoftranscript|><|notimestamps|>` and the tokens transformers' for no language and no task; English (or none)
+    is served, another language and translation are refused by name."""
+    import json
+    import shutil
+
+    folder, model = whisper
+    english = tmp_path / "english"
+    shutil.copytree(folder, english)
+    generation = json.loads((english / "generation_config.json").read_text())
+    for key in ("lang_to_id", "task_to_id", "is_multilingual"):
+        generation.pop(key, None)
+    (english / "generation_config.json").write_text(json.dumps(generation))
+    prompt = CASES["transcribe"]()
+    from transformers import GenerationConfig, WhisperFeatureExtractor
+
+    features = WhisperFeatureExtractor.from_pretrained(folder)(heard(prompt.audio), sampling_rate=16_000,
+                                                               return_tensors="pt").input_features  # fmt: skip
+    saved = model.generation_config
+    model.generation_config = GenerationConfig.from_pretrained(english)
+    try:
+        with torch.inference_mode():
+            expected = [int(t) for t in model.generate(features, max_new_tokens=NEW_TOKENS, do_sample=False)[0]]
+    finally:
+        model.generation_config = saved
+    with engine_in(english) as llm:
+        results = llm.generate([prompt, dataclasses.replace(prompt, language="")], GREEDY, use_tqdm=False)
+        for refused, param in ((dataclasses.replace(prompt, language="de"), "language"),
+                               (dataclasses.replace(prompt, task="translate"), "task")):  # fmt: skip
+            with pytest.raises(ValidationError, match="English-only") as error:
+                llm.generate([refused], GREEDY, use_tqdm=False)
+            assert error.value.param == f"input.transcription.{param}"
+    start, no_timestamps = saved.decoder_start_token_id, saved.no_timestamps_token_id
+    assert [r.prompt_token_ids for r in results] == [[start, no_timestamps]] * 2
+    assert [r.choices[0].token_ids for r in results] == [expected] * 2
+    assert [r.transcription.language for r in results if r.transcription is not None] == ["en", "en"]
+
+
 def test_max_tokens_is_capped_by_the_decoders_positions(served: LLM) -> None:
     """A max_tokens past what the 64 positions leave after the prompt is capped there, not refused."""
     prompt = CASES["previous text"]()
@@ -222,7 +263,8 @@ def test_int8_runs_batch_invariant(whisper: tuple[Path, Any]) -> None:
         (TranscriptionPrompt(b"not audio", "en"), "cannot be read", "input.transcription.audio"),
         (TranscriptionPrompt(clip(8, 1.0), "klingon"), "language 'klingon' is not one this model knows",
          "input.transcription.language"),
-        (TranscriptionPrompt(clip(8, 1.0), "en", "summarize"), "task 'summarize'", "input.transcription.task"),
+        (TranscriptionPrompt(clip(8, 1.0), "en", "summarize"), "task 'summarize' is not served",
+         "input.transcription.task"),
         (TranscriptionPrompt(clip(8, 1.0), "en", prompt="hi <|en|>"), "special token", "input.transcription.prompt"),
         ("plain text", "writes audio clips down: send an Input.transcription", "input"),
         ([1, 2, 3], "writes audio clips down: send an Input.transcription", "input"),
