@@ -125,7 +125,8 @@ class MultimodalCheckpoint:
     images: ImageInput | None = None  # how images are read, where they are served (None: text prompts alone)
     audio: AudioInput | None = None  # how audio is heard, where it is served (None: no audio)
     # A speech-to-text model's (Whisper's): its decoder reads its encoder's states of a request's clip through a
-    # cross-attention inside each layer (`multimodal.whisper`); its prompts are transcriptions alone.
+    # cross-attention inside each layer (`multimodal.whisper`); its prompts are transcriptions alone
+    # (`multimodal.transcription`).
     transcribes: bool = False
 
 

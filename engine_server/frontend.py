@@ -19,7 +19,7 @@ from engine_server.harmony import HarmonyStream
 from engine_server.multimodal.audio import AudioProcessing, PromptAudio
 from engine_server.multimodal.inputs import MultimodalInputs
 from engine_server.multimodal.processing import ImageProcessing, PromptImage
-from engine_server.multimodal.whisper import TranscriptionInfo, TranscriptionPrompt, WhisperTranscription
+from engine_server.multimodal.transcription import TranscriptionInfo, TranscriptionPrompt, WhisperTranscription
 from engine_server.output import OutputProcessor, TokenTextCodec
 from engine_server.output.types import FinishReason
 from engine_server.reasoning import (

@@ -36,7 +36,7 @@ from engine_server.lora.peft_format import LoraAdapter
 from engine_server.lora.registry import AdapterRegistry, ServedAdapter
 from engine_server.multimodal.audio import served_audio
 from engine_server.multimodal.processing import served_images
-from engine_server.multimodal.whisper import TranscriptionPrompt, served_transcription
+from engine_server.multimodal.transcription import TranscriptionPrompt, served_transcription
 from engine_server.output import TokenTextCodec
 from engine_server.pooling.params import ModelPooling
 from engine_server.pooling.requests import cosine_scores, pair_token_ids, pooling_requests, pooling_token_ids

@@ -340,7 +340,8 @@ def _load_vision(
     `DecoderModel`'s forward does), on every rank."""
     multimodal = source.config.multimodal
     if multimodal is not None and multimodal.transcribes:  # Whisper's encoder and cross-attention, in float
-        from engine_server.multimodal.whisper import WhisperAudioEncoder, transcription_refusal
+        from engine_server.multimodal.transcription import transcription_refusal
+        from engine_server.multimodal.whisper import WhisperAudioEncoder
 
         refusal = transcription_refusal(True, source.path)
         if refusal:

@@ -36,7 +36,7 @@ from engine_server.frontend import (
 )
 from engine_server.generation_defaults import GenerationDefaults
 from engine_server.lora.registry import ServedAdapter
-from engine_server.multimodal.whisper import TranscriptionInfo, TranscriptionPrompt
+from engine_server.multimodal.transcription import TranscriptionInfo, TranscriptionPrompt
 from engine_server.output.types import FinishReason
 from engine_server.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
 from engine_server.server.engine_loop import EngineInternalError, LoadSnapshot

@@ -50,7 +50,7 @@ from engine_server.lora.peft_format import LoraAdapter
 from engine_server.lora.registry import AdapterRegistry, ServedAdapter
 from engine_server.multimodal.audio import AudioProcessing, served_audio
 from engine_server.multimodal.processing import ImageProcessing, served_images
-from engine_server.multimodal.whisper import TranscriptionPrompt, WhisperTranscription, served_transcription
+from engine_server.multimodal.transcription import TranscriptionPrompt, WhisperTranscription, served_transcription
 from engine_server.output import TokenTextCodec
 from engine_server.pooling.params import ModelPooling, PoolingParams
 from engine_server.pooling.requests import (

@@ -23,7 +23,7 @@ from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_server.errors import ValidationError
 from engine_server.llm import LLM
-from engine_server.multimodal.whisper import TranscriptionPrompt
+from engine_server.multimodal.transcription import TranscriptionPrompt
 from engine_server.sampling_params import SamplingParams
 from tests.unit.test_audio_input import clip, heard
 from tests.unit.test_family_engines import engine
