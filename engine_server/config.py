@@ -18,13 +18,13 @@ Architecture = Literal[
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
     "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n",
     "deepseek_v4", "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo", "recurrent_gemma", "jetmoe",
-    "dory", "zamba2", "qwen4_exp", "xlstm", "rwkv", "bert",
+    "dory", "zamba2", "qwen4_exp", "xlstm", "rwkv", "bert", "whisper",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
 _O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = (
     "llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss", "smollm3", "granite", "llama4", "granitemoe", "hunyuan",
-    "apertus", "afmoe", "falcon_h1", "gpt_neox", "nanochat", "beam",
+    "apertus", "afmoe", "falcon_h1", "gpt_neox", "nanochat", "beam", "whisper",
 )  # fmt: skip
 
 
@@ -115,7 +115,8 @@ class MultimodalCheckpoint:
     checkpoint whose expert banks may be stored hidden-first, `gate_up_proj` `[E, H, 2 * I]` and `down_proj`
     `[E, I, H]` (Qwen3-VL-MoE as released), transposed at load where their shapes say so, as transformers does.
     `images`: how the checkpoint reads images, for the kinds whose images are served (LLaVA's); `audio`: how it
-    hears audio, for the kinds whose audio is served (Qwen2-Audio's, Audio Flamingo 3's)."""
+    hears audio, for the kinds whose audio is served (Qwen2-Audio's, Audio Flamingo 3's); `transcribes`: a
+    speech-to-text model's (Whisper's), its encoder's states read by cross-attention inside each decoder layer."""
 
     model_type: str
     towers: tuple[str, ...]
@@ -123,6 +124,10 @@ class MultimodalCheckpoint:
     hidden_first_banks: tuple[int, int] | None = None
     images: ImageInput | None = None  # how images are read, where they are served (None: text prompts alone)
     audio: AudioInput | None = None  # how audio is heard, where it is served (None: no audio)
+    # A speech-to-text model's (Whisper's): its decoder reads its encoder's states of a request's clip through a
+    # cross-attention inside each layer (`multimodal.whisper`); its prompts are transcriptions alone
+    # (`multimodal.transcription`).
+    transcribes: bool = False
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from engine_server.harmony import HarmonyStream
 from engine_server.multimodal.audio import AudioProcessing, PromptAudio
 from engine_server.multimodal.inputs import MultimodalInputs
 from engine_server.multimodal.processing import ImageProcessing, PromptImage
+from engine_server.multimodal.transcription import TranscriptionInfo, TranscriptionPrompt, WhisperTranscription
 from engine_server.output import OutputProcessor, TokenTextCodec
 from engine_server.output.types import FinishReason
 from engine_server.reasoning import (
@@ -76,7 +77,15 @@ class ChatPrompt:
         return self.tool_choice if self.tool_choice is not None else default_tool_choice(self.tools)
 
 
-Prompt = str | Sequence[int] | ChatPrompt
+@dataclass(frozen=True)
+class LanguageDetection:
+    """The one-token request that detects a transcription's language (`InputProcessor.needs_language`): its output
+    is the language token (`InputProcessor.detected`)."""
+
+    transcription: TranscriptionPrompt
+
+
+Prompt = str | Sequence[int] | ChatPrompt | TranscriptionPrompt | LanguageDetection
 
 
 @dataclass(frozen=True)
@@ -143,6 +152,7 @@ class PreparedPrompt:
     reasoning_tags: ReasoningTags = THINK  # the tags it is written between
     harmony: bool = False  # the output is read as harmony (gpt-oss: `engine_server.harmony`), not by the two above
     multimodal: MultimodalInputs | None = None  # the prompt's images, their placeholders expanded in `token_ids`
+    transcription: TranscriptionInfo | None = None  # a transcription's language and clip length
 
 
 @dataclass
@@ -168,6 +178,8 @@ class GenerationResult:
     timeline: RequestTimeline | None = field(default=None, compare=False)  # the first choice's, when finished (traces)
     # With SamplingParams.prompt_logprobs, once the prompt has run; else None.
     prompt_logprobs: PromptLogprobs | None = None
+    # For a transcription (`TranscriptionPrompt`): its language and clip length; else None.
+    transcription: TranscriptionInfo | None = None
 
     @property
     def finished(self) -> bool:
@@ -196,12 +208,18 @@ class InputProcessor:
         images_refusal: str = "this model reads no images; send text alone",
         audio: AudioProcessing | None = None,
         audio_refusal: str = "this model hears no audio; send text alone",
+        transcription: WhisperTranscription | None = None,
+        transcription_refusal: str = "this model does not transcribe audio (Input.transcription is served for "
+        "Whisper checkpoints)",
     ) -> None:
         """`tool_call_parser`: EngineConfig.tool_call_parser (the format tool calls are read in, or "auto");
         `reasoning_parser`: EngineConfig.reasoning_parser (auto: on when the chat template mentions <think>);
         `images`: how the model's images are prepared (None: a turn with an image is refused, `images_refusal` the
-        message); `audio` the same for audio clips."""
+        message); `audio` the same for audio clips; `transcription`: a speech-to-text model's prompts (Whisper's: then
+        every other kind of prompt is refused)."""
         self.tokenizer = tokenizer
+        self.transcription = transcription
+        self.transcription_refusal = transcription_refusal
         self.images = images
         self.images_refusal = images_refusal
         self.audio = audio
@@ -249,7 +267,11 @@ class InputProcessor:
     def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedPrompt:
         """Tokenize a prompt and, for a chat with tools, settle tool calling (blocking: run it off the event
         loop). A forced tool_choice becomes the request's constraint; a request that also brings a constraint
-        of its own is refused (ValidationError, param "tool_choice")."""
+        of its own is refused (ValidationError, param "tool_choice"). A transcription (`TranscriptionPrompt`, its
+        language known: `needs_language`) is Whisper's decoder prompt and clip; a speech-to-text model refuses every
+        other kind, and every other model a transcription."""
+        if isinstance(prompt, TranscriptionPrompt | LanguageDetection) or self.transcription is not None:
+            return self._prepare_transcription(prompt, params)
         if not isinstance(prompt, ChatPrompt):
             return PreparedPrompt(self.tokenize(prompt), params)
         ids, multimodal, text = self._chat_prompt(prompt)
@@ -278,6 +300,36 @@ class InputProcessor:
         if reasoning is not None and self._reasoning_tags_special:
             params = dataclasses.replace(params, skip_special_tokens=False)
         return PreparedPrompt(ids, params, parsing, reasoning, tags, multimodal=multimodal)
+
+    def needs_language(self, prompt: Prompt) -> bool:
+        """Whether `prompt` is a transcription whose language the model must detect first (`LanguageDetection`)."""
+        return (self.transcription is not None and not self.transcription.english_only
+                and isinstance(prompt, TranscriptionPrompt) and not prompt.language.strip())  # fmt: skip
+
+    def detected(self, prompt: TranscriptionPrompt, language_token: int) -> TranscriptionPrompt:
+        """`prompt` in the language of `language_token` (its `LanguageDetection`'s output)."""
+        assert self.transcription is not None
+        return dataclasses.replace(prompt, language=self.transcription.code_of(language_token))
+
+    def _prepare_transcription(self, prompt: Prompt, params: SamplingParams) -> PreparedPrompt:
+        """A transcription's prompt (or its language's detection: one greedy token), its max_tokens capped by what the
+        context (Whisper's `max_target_positions`) leaves after the prompt; ValidationError naming what is served where
+        the model or the prompt is not a transcription's."""
+        if self.transcription is None:
+            raise ValidationError(self.transcription_refusal, "input.transcription")
+        if isinstance(prompt, LanguageDetection):
+            found = self.transcription.detection(prompt.transcription, self.vocab_size)
+            params = SamplingParams(max_tokens=1, temperature=0.0)
+        elif isinstance(prompt, TranscriptionPrompt):
+            found = self.transcription.prepare(prompt, self.transcription.language_code(prompt.language))
+        else:
+            raise ValidationError("this model (Whisper) writes audio clips down: send an Input.transcription, not "
+                                  "text, chat or token ids", "input")  # fmt: skip
+        room = self.max_model_len - len(found.token_ids)  # (Whisper's context: its `max_target_positions`)
+        max_tokens = params.max_tokens if params.max_tokens is None else min(params.max_tokens, max(room, 1))
+        params = dataclasses.replace(params, suppress_token_ids=found.suppress_token_ids, max_tokens=max_tokens,
+                                     begin_suppress_token_ids=found.begin_suppress_token_ids)  # fmt: skip
+        return PreparedPrompt(found.token_ids, params, multimodal=found.clip, transcription=found.info)
 
     def _chat_prompt(self, prompt: ChatPrompt) -> tuple[list[int], MultimodalInputs | None, str]:
         """A conversation's prompt ids (each image's or clip's placeholder expanded to its tokens), what its images or
@@ -342,6 +394,9 @@ class InputProcessor:
         """Token ids of a prompt. Chat is rendered with the model's template (which adds its own specials)."""
         if isinstance(prompt, ChatPrompt):
             return self._chat_prompt(prompt)[0]
+        if isinstance(prompt, TranscriptionPrompt | LanguageDetection) or self.transcription is not None:
+            raise ValidationError("a speech-to-text model's prompts are laid out from their clips: Tokenize does not "
+                                  "serve them", "input")  # fmt: skip
         if isinstance(prompt, str):
             if not prompt:
                 raise ValidationError("prompt must not be empty", "prompt")
@@ -419,8 +474,10 @@ class RequestTracker:
         reasoning: ReasoningStart | None = None,
         harmony: bool = False,
         reasoning_tags: ReasoningTags = THINK,
+        transcription: TranscriptionInfo | None = None,
     ) -> None:
         """`token_text` names tokens for logprobs; share one per tokenizer across requests (it caches).
+        `transcription` (from `PreparedPrompt`) goes on the result as it is.
         `tool_parsing` (from `PreparedPrompt`) makes each choice's text go through a tool-call parser, and
         `reasoning` (from there too) first splits its reasoning off (written between `reasoning_tags`): the tool
         parser reads the content only.
@@ -429,7 +486,8 @@ class RequestTracker:
         self.params = params
         self.token_text = token_text or TokenTextCodec(tokenizer)
         self.result = GenerationResult(
-            request_id, prompt_token_ids, [Choice(i) for i in range(params.n)], Usage(len(prompt_token_ids))
+            request_id, prompt_token_ids, [Choice(i) for i in range(params.n)], Usage(len(prompt_token_ids)),
+            transcription=transcription,
         )
         self._processors = [OutputProcessor(tokenizer, prompt_token_ids, params) for _ in range(params.n)]
         self._tool_parsing = tool_parsing

@@ -54,6 +54,7 @@ from engine_server.hf_recurrent_gemma import (
     recurrent_gemma_fields,
 )
 from engine_server.hf_rwkv import RWKV_ARCHITECTURES, rwkv_config, rwkv_fields
+from engine_server.hf_whisper import WHISPER_ARCHITECTURES, whisper_text_config
 from engine_server.hf_xlstm import XLSTM_ARCHITECTURES, xlstm_config, xlstm_fields
 from engine_server.hf_zamba2 import ZAMBA2_ARCHITECTURES, zamba2_config, zamba2_fields
 
@@ -290,6 +291,9 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     """The `ModelConfig` of a Hugging Face `config.json` dict (transformers 4.x or 5.x layout), named `name`;
     ValueError naming what is not served."""
     model_type = cfg.get("model_type", "llama")
+    if model_type in WHISPER_ARCHITECTURES:  # its decoder, read as BioGPT's block (`hf_whisper`), served as Whisper's
+        text, checkpoint = whisper_text_config(cfg)
+        return dataclasses.replace(model_config_from_hf(text, name), architecture="whisper", multimodal=checkpoint)
     if model_type in MULTIMODAL_ARCHITECTURES:  # its text model, read as its family's own (`hf_multimodal`)
         text, checkpoint = multimodal_text_config(cfg)
         if text.get("model_type") in MULTIMODAL_ARCHITECTURES:
@@ -299,7 +303,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         why = _NOT_YET.get(model_type, "no family of this engine implements it")
         raise ValueError(
             f"unsupported model_type {model_type!r} ({why}); supported: "
-            f"{', '.join(sorted({*_HF_ARCHITECTURES, *MULTIMODAL_ARCHITECTURES}))}"
+            f"{', '.join(sorted({*_HF_ARCHITECTURES, *MULTIMODAL_ARCHITECTURES, *WHISPER_ARCHITECTURES}))}"
         )
     if model_type == "bert":
         return _encoder_config(cfg, name)

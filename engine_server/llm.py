@@ -20,6 +20,7 @@ from engine_server.frontend import (
     ChatPrompt,
     GenerationResult,
     InputProcessor,
+    LanguageDetection,
     Prompt,
     RequestTracker,
     split_core_request_id,
@@ -35,6 +36,7 @@ from engine_server.lora.peft_format import LoraAdapter
 from engine_server.lora.registry import AdapterRegistry, ServedAdapter
 from engine_server.multimodal.audio import served_audio
 from engine_server.multimodal.processing import served_images
+from engine_server.multimodal.transcription import TranscriptionPrompt, served_transcription
 from engine_server.output import TokenTextCodec
 from engine_server.pooling.params import ModelPooling
 from engine_server.pooling.requests import cosine_scores, pair_token_ids, pooling_requests, pooling_token_ids
@@ -109,6 +111,10 @@ class LLM:
             self.config.tensor_parallel_size,
         )  # fmt: skip
         audio, audio_refusal = served_audio(source.config.multimodal, source.path, self.tokenizer)
+        multimodal = source.config.multimodal
+        transcription, transcription_refusal = served_transcription(
+            multimodal is not None and multimodal.transcribes, source.path, self.tokenizer
+        )
         self.inputs = InputProcessor(
             self.tokenizer,
             source.config.vocab_size,
@@ -121,6 +127,8 @@ class LLM:
             images_refusal=refusal,
             audio=audio,
             audio_refusal=audio_refusal,
+            transcription=transcription,
+            transcription_refusal=transcription_refusal,
         )
         self.token_text = TokenTextCodec(self.tokenizer)
         self.pooling = ModelPooling.for_model(
@@ -169,7 +177,7 @@ class LLM:
             raise UnsupportedByModelError(
                 "the model is an encoder: it embeds and scores (`embed`, `score`), not generates"
             )
-        batch = _as_prompt_list(prompts)
+        batch = self._with_languages(_as_prompt_list(prompts))
         if params is None:
             params = self.generation_defaults.sampling_params()
         per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(batch)
@@ -190,7 +198,7 @@ class LLM:
             )  # fmt: skip
             tracker = RequestTracker(
                 self.tokenizer, request_id, item.token_ids, item.params, self.token_text, item.tool_parsing,
-                item.reasoning, item.harmony, item.reasoning_tags,
+                item.reasoning, item.harmony, item.reasoning_tags, item.transcription,
             )
             # Tokens of choices that nothing needs to see before they finish (no stop strings to match as the
             # text grows) come once, at the finish, so their text is decoded once and per-step host work is small.
@@ -200,6 +208,19 @@ class LLM:
             trackers[request_id] = tracker
         self._run(pending, trackers, use_tqdm)
         return [tracker.result for tracker in trackers.values()]
+
+    def _with_languages(self, batch: list[Prompt]) -> list[Prompt]:
+        """`batch` with each transcription that names no language in the one its clip is detected to be in (one
+        greedy token of each, their `LanguageDetection` requests run together first)."""
+        detect = [i for i, prompt in enumerate(batch) if self.inputs.needs_language(prompt)]
+        if not detect:
+            return batch
+        found = self.generate([LanguageDetection(cast(TranscriptionPrompt, batch[i])) for i in detect],
+                              use_tqdm=False)  # fmt: skip
+        batch = list(batch)
+        for i, result in zip(detect, found, strict=True):
+            batch[i] = self.inputs.detected(cast(TranscriptionPrompt, batch[i]), result.choices[0].token_ids[0])
+        return batch
 
     def _resolve_adapters(self, adapters: str | Sequence[str | None] | None, count: int) -> list[LoraAdapter | None]:
         names = [adapters] * count if adapters is None or isinstance(adapters, str) else list(adapters)
@@ -299,7 +320,7 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str | ChatPrompt):
+    if isinstance(prompts, str | ChatPrompt | TranscriptionPrompt | LanguageDetection):
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(p, int) for p in items):

@@ -195,6 +195,13 @@ def refuse_unserved(source: ModelSource, config: EngineConfig) -> None:
         raise ValueError(f"model {source.name!r} is a Gemma 4 assistant, which drafts for its Gemma 4 target: "
                          "serve the target with it as the draft model (--speculative-config '{\"method\": "
                          "\"draft_model\", \"model\": ...}')")  # fmt: skip
+    if model.multimodal is not None and model.multimodal.transcribes:  # (its encoder's K/V kept on rank 0's device)
+        if config.tensor_parallel_size > 1:
+            raise ValueError("Whisper is not served under tensor parallelism yet")
+        if config.speculative is not None:
+            raise ValueError("speculative decoding is not served on Whisper (its drafts would not read the clip)")
+        if config.lora is not None:
+            raise ValueError("LoRA adapters are not applied to Whisper yet")
     if config.speculative is not None and model.recurrent is not None:
         # Verifying drafts would advance the states past tokens that are then rejected.
         raise ValueError("speculative decoding is not served on models with recurrent layers (Qwen3-Next, Qwen3.5, "
@@ -326,11 +333,20 @@ def _load_vision(
     max_num_batched_tokens: int,
 ) -> ImageEncoder | None:
     """The vision encoder of a checkpoint whose images are served (`multimodal.processing.images_refusal`: with its
-    image processor), or the audio encoder of one whose audio is (`multimodal.audio.audio_refusal`), on rank 0 alone
+    image processor), or the audio encoder of one whose audio is (`multimodal.audio.audio_refusal`; Whisper's encoder
+    and cross-attention, ValueError without its feature extractor: `multimodal.whisper`), on rank 0 alone
     (it sends the encoder's rows to the other ranks with each step: `parallel.step_channel`); None otherwise.
     ValueError where its text model's decoder is one that lays no such rows over its embeddings (only the shared
     `DecoderModel`'s forward does), on every rank."""
     multimodal = source.config.multimodal
+    if multimodal is not None and multimodal.transcribes:  # Whisper's encoder and cross-attention, in float
+        from engine_server.multimodal.transcription import transcription_refusal
+        from engine_server.multimodal.whisper import WhisperAudioEncoder
+
+        refusal = transcription_refusal(True, source.path)
+        if refusal:
+            raise ValueError(f"model {source.name!r}: {refusal}")
+        return WhisperAudioEncoder.from_checkpoint(source.path, source.lazy_weights(), dtype, device)
     hears = not audio_refusal(multimodal, source.path)
     if images_refusal(multimodal, source.path, max_num_batched_tokens, tp.size) and not hears:
         return None

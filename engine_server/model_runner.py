@@ -32,6 +32,7 @@ from engine_server.model_loading import LoadedModel, capture_decode_graphs
 from engine_server.models import BertEncoder
 from engine_server.multimodal.features import ImageFeatures, step_image_blocks, step_mrope_positions
 from engine_server.multimodal.mllama import CrossStates, MllamaImageEncoder
+from engine_server.multimodal.whisper import WhisperAudioEncoder, WhisperCrossStates
 from engine_server.parallel.step_channel import PendingTokens, StepSender
 from engine_server.pooling.pooler import Pooler
 from engine_server.sampling import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenLogprobs
@@ -240,14 +241,20 @@ class ModelRunner:
         # The running requests' images as the text model's embeddings (None: the model reads no images, or reads
         # them through cross-attention layers: `cross_states`).
         multimodal = loaded.model_config.multimodal
-        cross = multimodal is not None and multimodal.images is not None and multimodal.images.cross_attention
+        transcribes = multimodal is not None and multimodal.transcribes
+        cross = transcribes or (multimodal is not None and multimodal.images is not None
+                                and multimodal.images.cross_attention)  # fmt: skip
         self.image_features = (
             None if loaded.vision is None or cross else ImageFeatures(loaded.vision, loaded.device, loaded.dtype)
         )
         # Llama 3.2 Vision's: the running requests' images' K/V for its cross-attention layers; a step with a row of
         # a request with images runs eagerly, those layers between the text model's (`multimodal.mllama`).
-        self.cross_states: CrossStates | None = None
-        if cross and loaded.vision is not None:
+        # Whisper's: the running transcriptions' clips' K/V, read inside every decoder layer (`multimodal.whisper`).
+        self.cross_states: CrossStates | WhisperCrossStates | None = None
+        if transcribes and loaded.vision is not None:
+            assert isinstance(loaded.vision, WhisperAudioEncoder)
+            self.cross_states = WhisperCrossStates(loaded.vision, loaded.device, loaded.dtype)
+        elif cross and loaded.vision is not None:
             assert isinstance(loaded.vision, MllamaImageEncoder) and multimodal is not None
             self.cross_states = CrossStates(loaded.vision, multimodal.dropped_layers, loaded.device, loaded.dtype)
         # Requests whose outputs turn by their index plus a delta (M-RoPE after images: `MultimodalInputs`), whose

@@ -62,6 +62,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     constraint: Constraint | None = None
+    # Tokens never sampled, and tokens not sampled first (Whisper's generation config's `suppress_tokens` and
+    # `begin_suppress_tokens`, as transformers' generate applies them: held at -inf); set by the engine, not a caller.
+    suppress_token_ids: tuple[int, ...] = ()
+    begin_suppress_token_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:

@@ -210,6 +210,7 @@ class Request:
             or params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0
             or params.repetition_penalty != 1.0
+            or bool(params.begin_suppress_token_ids)
         )
         self.wants_logprobs = params.logprobs or params.top_logprobs > 0
         # With sampling_params.prompt_logprobs: entry i is prompt token i + 1's log-probability given the tokens
@@ -229,6 +230,7 @@ class Request:
         # logit_bias, logprobs or any of the above): a batch of only such rows skips the sampler's set-up.
         self.argmax_only = (
             params.greedy and not self.needs_output_history and not params.logit_bias and not self.wants_logprobs
+            and not params.suppress_token_ids
         )
 
     @property

@@ -814,15 +814,16 @@ class Scheduler:
         return ScheduledRequest(request, start, num_new, blocks, needs_sample, num_cached)
 
     def _cross_images_fit(self, request: Request) -> bool:
-        """Whether a request whose images feed cross-attention layers (Llama 3.2 Vision's, which keep their K/V per
-        running request) may start: its images and the running such requests' within `max_cross_attention_images`,
-        or none running (one request alone always may). True for every other request."""
+        """Whether a request whose images feed cross-attention layers (Llama 3.2 Vision's; Whisper's clip, one image
+        here: they keep their K/V per running request) may start: its images and the running such requests' within
+        `max_cross_attention_images`, or none running (one request alone always may). True for every other request."""
         cap = self.config.max_cross_attention_images
         images = request.multimodal
-        if cap <= 0 or images is None or images.cross_attention_mask is None:
+        if cap <= 0 or images is None or (images.cross_attention_mask is None and not images.transcription):
             return True
-        held = sum(len(r.multimodal.images) for r in self._running
-                   if r.multimodal is not None and r.multimodal.cross_attention_mask is not None)  # fmt: skip
+        held = sum(len(r.multimodal.images) for r in self._running  # (a Whisper clip counts as one image)
+                   if r.multimodal is not None
+                   and (r.multimodal.cross_attention_mask is not None or r.multimodal.transcription))  # fmt: skip
         return held == 0 or held + len(images.images) <= cap
 
     def _take_adapter_slot(self, request: Request) -> bool:

@@ -45,7 +45,8 @@ class DecoderLayer(nn.Module):
     """`h += attn(norm(h)); h += mlp(norm(h))`, with the residual adds fused into the following norm. The MLP is a
     mixture of experts where the config says so for layer `index` (`ModelConfig.is_moe_layer`), else dense; a layer
     of Nemotron-H's may have none (`ModelConfig.has_mlp`: `h += attn(norm(h))` alone, `mlp` None and no
-    post-attention norm)."""
+    post-attention norm). A step's cross-attention that runs inside the layers (Whisper's over a clip:
+    `AttentionMetadata.cross_attention` with `inside`) adds its output to the stream between the two halves."""
 
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool, tp: TensorParallel = SINGLE, index: int = 0
@@ -143,6 +144,9 @@ class DecoderLayer(nn.Module):
         attended, residual = self.attend(positions, hidden, residual, kv_cache, cos_sin_cache, meta, ops, layer_lora)
         if self.residual_multiplier != 1.0:  # Granite: each output scaled before its residual add
             attended = attended * self.residual_multiplier
+        cross = meta.cross_attention
+        if cross is not None and cross.inside and self.index in cross.positions:  # (Whisper's, over a clip)
+            attended, residual = cross.apply(self.index, attended, residual)
         if self.mlp is None:  # (Nemotron-H) the next layer's norm adds the mixer's output to the stream
             return attended, residual
         hidden, residual = self.post_attention_layernorm.add_and_norm(attended, residual, ops)
@@ -587,7 +591,7 @@ class DecoderModel(nn.Module):
             zip(self.layers, kv_caches, self.local_rope_layers, strict=True)
         ):
             table = local if reads_local else cos_sin
-            if cross is not None and index in cross.positions:  # (Llama 3.2 Vision's cross-attention layers)
+            if cross is not None and not cross.inside and index in cross.positions:  # (Llama 3.2 Vision's layers)
                 hidden, residual = cross.apply(index, hidden, residual)
             hidden, residual = layer(rope_rows, hidden, residual, kv_cache, table, meta, ops, lora)
             if index < len(deepstack):  # DeepStack: the layer's output, summed, plus the images' features there
@@ -597,7 +601,7 @@ class DecoderModel(nn.Module):
             if interrupt is not None and interrupt.is_set():
                 raise StepInterrupted
         assert residual is not None, "a model has at least one layer"
-        if cross is not None and len(self.layers) in cross.positions:  # (a cross-attention layer after the last)
+        if cross is not None and not cross.inside and len(self.layers) in cross.positions:  # (one after the last)
             hidden, residual = cross.apply(len(self.layers), hidden, residual)
         hidden, _ = self.norm.add_and_norm(hidden, residual, ops)
         return hidden

@@ -56,6 +56,7 @@ from engine_server.models.qwen4_exp import Qwen4ExpForCausalLM
 from engine_server.models.recurrent_gemma import RecurrentGemmaForCausalLM
 from engine_server.models.rwkv import RwkvForCausalLM
 from engine_server.models.smollm3 import SmolLM3ForCausalLM
+from engine_server.models.whisper import WhisperForConditionalGeneration
 from engine_server.models.xlstm import XLstmForCausalLM
 from engine_server.models.zamba2 import Zamba2ForCausalLM
 
@@ -72,7 +73,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
     "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus", "afmoe", "falcon_h1",
     "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n", "deepseek_v4",
     "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo", "recurrent_gemma", "jetmoe", "dory",
-    "zamba2", "qwen4_exp", "xlstm", "rwkv");
+    "zamba2", "qwen4_exp", "xlstm", "rwkv", "whisper");
     ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
@@ -129,6 +130,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "qwen4_exp": Qwen4ExpForCausalLM,
         "xlstm": XLstmForCausalLM,
         "rwkv": RwkvForCausalLM,
+        "whisper": WhisperForConditionalGeneration,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

@@ -107,29 +107,38 @@ class AudioProcessing:
 
     def _samples(self, clip: PromptAudio) -> np.ndarray[Any, np.dtype[np.float32]]:
         """The clip's samples, mono float32 at the feature extractor's rate."""
-        import soundfile
-        import soxr
+        return decoded_clip(clip, self.sampling_rate, self.max_seconds)[0]
 
-        try:
-            info = soundfile.info(io.BytesIO(clip.data))
-            seconds = info.frames / info.samplerate if info.samplerate else 0.0
-            if seconds > self.max_seconds:
-                raise ValidationError(
-                    f"the audio clip is {seconds:.1f} s long; this model hears at most {self.max_seconds:.0f} s a "
-                    "clip: send it in shorter clips", clip.param,
-                )  # fmt: skip
-            samples, rate = soundfile.read(io.BytesIO(clip.data), dtype="float32", always_2d=True)
-        except ValidationError:
-            raise
-        except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as error:
-            message = f"the audio clip cannot be read ({error}); send a {_FORMATS} file"
-            raise ValidationError(message, clip.param) from None
-        if samples.shape[0] == 0:
-            raise ValidationError("the audio clip is empty", clip.param)
-        mono = samples.mean(axis=1, dtype=np.float32)
-        if rate != self.sampling_rate:
-            mono = soxr.resample(mono, rate, self.sampling_rate).astype(np.float32)
-        return mono
+
+def decoded_clip(
+    clip: PromptAudio, sampling_rate: int, max_seconds: float
+) -> tuple[np.ndarray[Any, np.dtype[np.float32]], float]:
+    """A clip's samples, mono float32 at `sampling_rate` (mixed down, resampled by soxr), and its length in seconds as
+    decoded. ValidationError for a file that is no audio, an empty clip, or one longer than `max_seconds` (refused
+    before it is decoded, its length named)."""
+    import soundfile
+    import soxr
+
+    try:
+        info = soundfile.info(io.BytesIO(clip.data))
+        seconds = info.frames / info.samplerate if info.samplerate else 0.0
+        if seconds > max_seconds:
+            raise ValidationError(
+                f"the audio clip is {seconds:.1f} s long; this model hears at most {max_seconds:.0f} s a "
+                "clip: send it in shorter clips", clip.param,
+            )  # fmt: skip
+        samples, rate = soundfile.read(io.BytesIO(clip.data), dtype="float32", always_2d=True)
+    except ValidationError:
+        raise
+    except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as error:
+        message = f"the audio clip cannot be read ({error}); send a {_FORMATS} file"
+        raise ValidationError(message, clip.param) from None
+    if samples.shape[0] == 0:
+        raise ValidationError("the audio clip is empty", clip.param)
+    mono = samples.mean(axis=1, dtype=np.float32)
+    if rate != sampling_rate:
+        mono = soxr.resample(mono, rate, sampling_rate).astype(np.float32)
+    return mono, samples.shape[0] / rate
 
 
 def served_audio(

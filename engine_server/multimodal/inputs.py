@@ -83,6 +83,9 @@ class MultimodalInputs:
     # (transformers' `get_cross_attention_token_mask`, `convert_sparse_cross_attention_mask_to_dense`); None: not
     # such a prompt.
     cross_attention_mask: torch.Tensor | None = None
+    # A Whisper transcription's (`multimodal.whisper`): its one span the clip's log-mel features (no placeholder: the
+    # decoder reads the encoder's states through cross-attention inside every layer).
+    transcription: bool = False
 
     def cross_mask_rows(self, start: int, count: int) -> torch.Tensor:
         """`cross_attention_mask`'s rows of positions `[start, start + count)`, a position past the prompt's (an

@@ -152,6 +152,8 @@ class CrossStep:
     """A step's cross-attention layers (`layers.cross_attention.CrossAttention`) over the rows of its requests with
     images."""
 
+    inside = False  # (they run between the text model's layers)
+
     def __init__(self, encoder: MllamaImageEncoder, dropped: Sequence[int], rows: list[_Rows]) -> None:
         """`dropped`: the checkpoint's cross-attention layer indices (`MultimodalCheckpoint.dropped_layers`), each run
         before the text model's layer that follows it (its index less the cross layers before it)."""

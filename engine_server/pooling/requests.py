@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from engine_server.core.request import Priority, Request
 from engine_server.errors import ValidationError
-from engine_server.frontend import ChatPrompt, InputProcessor, Prompt, core_request_id
+from engine_server.frontend import InputProcessor, Prompt, core_request_id
 from engine_server.pooling.params import PoolingParams
 from engine_server.sampling_params import SamplingParams
 
@@ -71,7 +71,7 @@ def pooling_token_ids(inputs: InputProcessor, prompt: Prompt, truncate: int | No
     """The token ids an input is pooled over (blocking: run it off the event loop): text with the tokenizer's
     special tokens, chat rendered with the model's template, token ids as given; the last `truncate` of them when
     it is set. ValidationError (naming `param`) for an empty input or one longer than the context."""
-    if not isinstance(prompt, ChatPrompt) and len(prompt) == 0:
+    if isinstance(prompt, str | Sequence) and len(prompt) == 0:  # (a chat or a transcription: tokenize refuses it)
         raise ValidationError(f"{param} must not be empty", param)
     try:
         ids = inputs.tokenize(prompt)

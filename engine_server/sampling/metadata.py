@@ -83,7 +83,7 @@ class SamplingMetadata:
     drop_mass: torch.Tensor | None  # [B] float32 1 - top_p (set with top_p): the mass top-p may drop
     min_p: torch.Tensor | None  # [B]; 0.0 for rows without min-p
     logit_bias: SparseTokens | None
-    banned: SparseTokens | None  # min_tokens: eos / stop ids held at -inf
+    banned: SparseTokens | None  # min_tokens: eos / stop ids held at -inf; suppressed tokens
     repetition: RowSubset | None  # values (penalty,); tokens of prompt + output
     presence_frequency: RowSubset | None  # values (presence, frequency); tokens of the output
     bitmask: RowSubset | None  # values (masks [b, W] int32,)
@@ -246,13 +246,19 @@ def _logit_bias(stage: _Stager, rows: Sequence[SamplingRow]) -> SparseTokens | N
 
 
 def _min_tokens_bans(stage: _Stager, rows: Sequence[SamplingRow]) -> SparseTokens | None:
+    """The tokens each row holds at -inf: its eos and stop ids while it has fewer than min_tokens outputs, its
+    `suppress_token_ids` always, its `begin_suppress_token_ids` before its first output."""
     row_ids: list[int] = []
     token_ids: list[int] = []
     for i, row in enumerate(rows):
         params = row.params
-        if len(row.output_token_ids) >= params.min_tokens:
-            continue
-        banned = set(params.stop_token_ids) if params.ignore_eos else row.eos_token_ids | set(params.stop_token_ids)
+        banned: set[int] = set(params.suppress_token_ids)
+        if params.begin_suppress_token_ids and not row.output_token_ids:
+            banned.update(params.begin_suppress_token_ids)
+        if len(row.output_token_ids) < params.min_tokens:
+            banned.update(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned.update(row.eos_token_ids)
         row_ids.extend([i] * len(banned))
         token_ids.extend(banned)
     if not row_ids:

@@ -3,7 +3,8 @@
 Order of processing, each step only when some row of the batch uses it:
   1. logit_bias is added.
   2. min_tokens: while a row has fewer than min_tokens outputs, its eos ids (unless ignore_eos) and its
-     stop_token_ids are set to -inf.
+     stop_token_ids are set to -inf; its suppress_token_ids always, its begin_suppress_token_ids before its first
+     output (Whisper's).
   3. repetition penalty (Hugging Face semantics) over the prompt and output tokens.
   4. presence / frequency penalties (OpenAI semantics) over the output tokens only.
   5. the grammar bitmask (disallowed tokens to -inf).

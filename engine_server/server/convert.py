@@ -36,6 +36,7 @@ from engine_server.frontend import (
 )
 from engine_server.generation_defaults import GenerationDefaults
 from engine_server.lora.registry import ServedAdapter
+from engine_server.multimodal.transcription import TranscriptionInfo, TranscriptionPrompt
 from engine_server.output.types import FinishReason
 from engine_server.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
 from engine_server.server.engine_loop import EngineInternalError, LoadSnapshot
@@ -128,7 +129,7 @@ def constraint(message: types_pb2.Constraint) -> Constraint | None:
 
 
 def prompt_from_input(message: types_pb2.Input) -> Prompt:
-    """Text, token ids or a ChatPrompt; an Input with nothing set is refused."""
+    """Text, token ids, a ChatPrompt or a TranscriptionPrompt; an Input with nothing set is refused."""
     kind = message.WhichOneof("kind")
     if kind == "text":
         return message.text
@@ -136,7 +137,25 @@ def prompt_from_input(message: types_pb2.Input) -> Prompt:
         return list(message.token_ids.ids)
     if kind == "chat":
         return chat_prompt(message.chat)
-    raise ValidationError("input must set one of text, chat or token_ids", "input")
+    if kind == "transcription":
+        return transcription_prompt(message.transcription)
+    raise ValidationError("input must set one of text, chat, token_ids or transcription", "input")
+
+
+_TASKS = {
+    types_pb2.TRANSCRIPTION_TASK_UNSPECIFIED: "transcribe",
+    types_pb2.TRANSCRIPTION_TASK_TRANSCRIBE: "transcribe",
+    types_pb2.TRANSCRIPTION_TASK_TRANSLATE: "translate",
+}
+
+
+def transcription_prompt(message: types_pb2.Transcription) -> TranscriptionPrompt:
+    """A clip to write down; one without audio, or with a task this engine does not know, is refused."""
+    if not message.audio.data:
+        raise ValidationError("a transcription needs its audio clip (audio.data)", "input.transcription.audio")
+    if message.task not in _TASKS:
+        raise ValidationError(f"unknown transcription task {message.task}", "input.transcription.task")
+    return TranscriptionPrompt(message.audio.data, message.language, _TASKS[message.task], message.prompt)
 
 
 def chat_prompt(chat: types_pb2.ChatInput) -> ChatPrompt:
@@ -247,21 +266,31 @@ def generate_response(
         prompt_logprobs=prompt_logprobs_message(result.prompt_logprobs),
         model=model,
         prompt_token_ids=result.prompt_token_ids if prompt_token_ids else (),
+        transcription=transcription_info(result.transcription),
     )
+
+
+def transcription_info(info: TranscriptionInfo | None) -> types_pb2.TranscriptionInfo | None:
+    """A transcription's language and clip length (None for other requests)."""
+    if info is None:
+        return None
+    return types_pb2.TranscriptionInfo(language=info.language, duration_seconds=info.duration_seconds)
 
 
 def stream_response(
     request_id: str, deltas: Sequence[Choice], model: str, usage_so_far: Usage, last: bool = False,
     prompt_logprobs: PromptLogprobs | None = None, prompt_token_ids: Sequence[int] = (),
+    transcription: TranscriptionInfo | None = None,
 ) -> engine_pb2.StreamResponse:
     """One stream message: `usage_so_far` (the request's usage up to this message) on every one, and as `usage`
     too on the `last`; the request's `prompt_logprobs` on the message that first has them, and `prompt_token_ids`
-    (the servicer gives them to the first message alone) as they are."""
+    and `transcription` (the servicer gives them to the first message alone) as they are."""
     so_far = usage_message(usage_so_far)
     response = engine_pb2.StreamResponse(request_id=request_id, choices=[delta_message(d) for d in deltas],
                                          model=model, usage_so_far=so_far,
                                          prompt_logprobs=prompt_logprobs_message(prompt_logprobs),
-                                         prompt_token_ids=prompt_token_ids)  # fmt: skip
+                                         prompt_token_ids=prompt_token_ids,
+                                         transcription=transcription_info(transcription))  # fmt: skip
     if last:
         response.usage.CopyFrom(so_far)
     return response

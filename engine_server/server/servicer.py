@@ -121,6 +121,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     # aclosing: a cancelled call closes the generator at once, which aborts the request in the core.
                     prompt_logprobs_sent = False
                     ids_sent = not request.sampling.return_prompt_token_ids  # on the first message alone
+                    info_sent = False
                     async with contextlib.aclosing(engine.generate(generation, _deadline(context))) as updates:
                         async for update in updates:
                             if update.finished:
@@ -129,10 +130,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                             prompt_logprobs_sent = prompt_logprobs_sent or prompt_logprobs is not None
                             prompt_ids = () if ids_sent else update.result.prompt_token_ids
                             ids_sent = True
+                            info = None if info_sent else update.result.transcription  # (the first message's)
+                            info_sent = True
                             yield convert.stream_response(generation.request_id, update.deltas, model,
                                                           update.result.usage, last=update.finished,
                                                           prompt_logprobs=prompt_logprobs,
-                                                          prompt_token_ids=prompt_ids)
+                                                          prompt_token_ids=prompt_ids, transcription=info)
         except Exception as exc:
             await _fail(context, exc)
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import structlog
 import torch
@@ -36,6 +37,7 @@ from engine_server.frontend import (
     Choice,
     GenerationResult,
     InputProcessor,
+    LanguageDetection,
     PreparedPrompt,
     Prompt,
     RequestTracker,
@@ -48,6 +50,7 @@ from engine_server.lora.peft_format import LoraAdapter
 from engine_server.lora.registry import AdapterRegistry, ServedAdapter
 from engine_server.multimodal.audio import AudioProcessing, served_audio
 from engine_server.multimodal.processing import ImageProcessing, served_images
+from engine_server.multimodal.transcription import TranscriptionPrompt, WhisperTranscription, served_transcription
 from engine_server.output import TokenTextCodec
 from engine_server.pooling.params import ModelPooling, PoolingParams
 from engine_server.pooling.requests import (
@@ -139,6 +142,7 @@ class ServingEngine:
         pooling: ModelPooling | None = None,
         images: tuple[ImageProcessing | None, str] = (None, ""),
         audio: tuple[AudioProcessing | None, str] = (None, ""),
+        transcription: tuple[WhisperTranscription | None, str] = (None, ""),
     ) -> None:
         """Takes over `core`: from now on only the EngineLoop's thread touches it. `generation_defaults` fill the
         sampling fields a request leaves unset; GetModelInfo reports them. `pooling`: the model's (default: its
@@ -155,6 +159,8 @@ class ServingEngine:
             tool_call_parser=core.config.tool_call_parser, reasoning_parser=core.config.reasoning_parser,
             images=images[0], images_refusal=images[1] or "this model reads no images; send text alone",
             audio=audio[0], audio_refusal=audio[1] or "this model hears no audio; send text alone",
+            transcription=transcription[0],
+            **({"transcription_refusal": transcription[1]} if transcription[1] else {}),
         )  # fmt: skip
         self.token_text = TokenTextCodec(tokenizer)
         self.info = ModelInfo(
@@ -244,9 +250,11 @@ class ServingEngine:
         max_step = config.scheduler.max_num_batched_tokens
         images = served_images(source.config.multimodal, source.path, tokenizer, max_step, config.tensor_parallel_size)
         audio = served_audio(source.config.multimodal, source.path, tokenizer)
+        multimodal = source.config.multimodal
+        transcription = served_transcription(multimodal is not None and multimodal.transcribes, source.path, tokenizer)
         return cls(
             core, tokenizer, source.name, eos, loop, grammar_config, generation_defaults=defaults, pooling=pooling,
-            images=images, audio=audio,
+            images=images, audio=audio, transcription=transcription,
         )  # fmt: skip
 
     async def load_adapter(self, name: str, path: str) -> ServedAdapter:
@@ -326,6 +334,8 @@ class ServingEngine:
         """
         if self.info.pooling.encoder:
             raise UnsupportedByModelError(ENCODER_GENERATES)
+        if self.inputs.needs_language(request.prompt):  # a transcription without a language: detected first
+            request = await self._with_language(request, deadline)
         # Templating, tokenizing and building a forced tool_choice's grammar text run on the tokenizer thread.
         prepared: PreparedPrompt = await self._off_loop(self.inputs.prepare, request.prompt, request.params)
         prompt_ids, params = prepared.token_ids, prepared.params
@@ -339,7 +349,7 @@ class ServingEngine:
         )  # fmt: skip
         tracker = RequestTracker(
             self.tokenizer, request.request_id, prompt_ids, params, self.token_text, prepared.tool_parsing,
-            prepared.reasoning, prepared.harmony, prepared.reasoning_tags,
+            prepared.reasoning, prepared.harmony, prepared.reasoning_tags, prepared.transcription,
         )
         stream = self.loop.add(internal_id, core_requests, final_only=whole and not tracker.needs_every_step,
                                wait=wait)
@@ -353,6 +363,18 @@ class ServingEngine:
                 deltas = self._apply(tracker, await stream.next(), unfinished)
                 if deltas:
                     yield StepUpdate(deltas, tracker.result, finished=not unfinished)
+
+    async def _with_language(self, request: GenerationInput, deadline: float | None) -> GenerationInput:
+        """`request` (a transcription naming no language) in the language its clip is detected to be in: one greedy
+        token of its `LanguageDetection` request, run first under the same deadline and priority."""
+        prompt = cast(TranscriptionPrompt, request.prompt)
+        detection = dataclasses.replace(request, prompt=LanguageDetection(prompt))
+        result = None
+        async with contextlib.aclosing(self.generate(detection, deadline, whole=True)) as updates:
+            async for update in updates:
+                result = update.result
+        assert result is not None and result.choices[0].token_ids, "a detection samples one token"
+        return dataclasses.replace(request, prompt=self.inputs.detected(prompt, result.choices[0].token_ids[0]))
 
     async def embed(self, call: EmbedInput, deadline: float | None = None, wait: bool = False) -> EmbedResult:
         """One vector per input, in order (`deadline`, `wait` and cancelling as in `generate`); raises

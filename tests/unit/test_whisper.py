@@ -1,0 +1,383 @@
+"""Whisper (`engine_server.multimodal.whisper`, `models.whisper`): a tiny random `WhisperForConditionalGeneration`
+(d_model 64, 2 encoder and 2 decoder layers, its matrices drawn wide so outputs vary, its biases and norms drawn
+too) saved by transformers with a
+`WhisperTokenizer` built offline (a byte-level BPE vocabulary of its own and Whisper's special tokens), a
+`WhisperFeatureExtractor` and a generation config with `lang_to_id`, `task_to_id`, `suppress_tokens` and
+`begin_suppress_tokens`. The oracle is transformers' own `model.generate(input_features, language=..., task=...,
+prompt_ids=...)` on the clip as the engine hears it (decoded by soundfile, mixed down, resampled to 16 kHz by soxr):
+greedy tokens equal for transcribe, translate, a previous-text prompt and a detected language, batched, prefilled in
+chunks, preempted in a small KV pool, and for two clips behind the same prompt (the prefix cache keeps them apart).
+The int8 default runs and gives each clip the same tokens alone as batched. What is not served is refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine_server.errors import ValidationError
+from engine_server.llm import LLM
+from engine_server.multimodal.transcription import TranscriptionPrompt
+from engine_server.sampling_params import SamplingParams
+from tests.unit.test_audio_input import clip, heard
+from tests.unit.test_family_engines import engine
+
+pytestmark = pytest.mark.slow  # engines and transformers' models of their own
+
+LANGUAGES = ("en", "de", "fr", "es")
+_SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", *[f"<|{code}|>" for code in LANGUAGES], "<|translate|>",
+             "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"]  # fmt: skip
+_MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("Ġ", "a"), ("a", "t"), ("Ġ", "c"), ("Ġc", "at")]
+NEW_TOKENS = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+# A previous text long enough for a whole KV block of the prompt (16 tokens) before the clip's tokens.
+PREVIOUS = "the cat sat at the mat, the hat at the cat"
+
+
+def whisper_tokenizer(folder: Path) -> Any:
+    """A `WhisperTokenizer` over a byte-level vocabulary (every byte, a few merges) and Whisper's special tokens, saved
+    in `folder`."""
+    import transformers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {char: i for i, char in enumerate(bytes_to_unicode().values())}
+    for first, second in _MERGES:
+        vocab[first + second] = len(vocab)
+    tokenizer = transformers.WhisperTokenizer(vocab=vocab, merges=_MERGES)
+    tokenizer.add_special_tokens({"additional_special_tokens": _SPECIALS})
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def save_whisper(folder: Path) -> Any:
+    """A tiny Whisper checkpoint saved in `folder` as transformers saves it; returns the model."""
+    import transformers
+
+    tokenizer = whisper_tokenizer(folder)
+    ids = {token: int(tokenizer.convert_tokens_to_ids(token)) for token in _SPECIALS}
+    eos = ids["<|endoftext|>"]
+    config = transformers.WhisperConfig(
+        vocab_size=len(tokenizer), d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=80, max_target_positions=64,
+        decoder_start_token_id=ids["<|startoftranscript|>"], eos_token_id=eos, pad_token_id=eos, bos_token_id=eos,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.WhisperForConditionalGeneration(config).eval()
+    with torch.no_grad():  # matrices wide, biases and norms off their zeros and ones (so that a lost bias shows)
+        for name, parameter in model.named_parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.25)
+            elif "layer_norm" in name and name.endswith("weight"):
+                parameter.normal_(1.0, 0.2)
+            else:
+                parameter.normal_(0.0, 0.2)
+    model.save_pretrained(folder)
+    generation = transformers.GenerationConfig(
+        decoder_start_token_id=ids["<|startoftranscript|>"], eos_token_id=eos, pad_token_id=eos, bos_token_id=eos,
+        lang_to_id={f"<|{code}|>": ids[f"<|{code}|>"] for code in LANGUAGES},
+        task_to_id={"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]},
+        no_timestamps_token_id=ids["<|notimestamps|>"], prev_sot_token_id=ids["<|startofprev|>"],
+        is_multilingual=True, suppress_tokens=[5, 88], begin_suppress_tokens=[220, eos, 107, 50], max_length=64,
+    )  # fmt: skip
+    generation.save_pretrained(folder)
+    model.generation_config = generation
+    transformers.WhisperFeatureExtractor(feature_size=80).save_pretrained(folder)
+    return model
+
+
+def reference(
+    folder: Path, model: Any, prompt: TranscriptionPrompt, new: int = NEW_TOKENS
+) -> tuple[list[int], list[int]]:
+    """transformers' decoder prompt (its tokenizer's `get_prompt_ids`, then `<|startoftranscript|>`, the language's
+    token, `detect_language`'s where the prompt names none, the task's and `<|notimestamps|>`) and greedy output
+    tokens (`generate`) for `prompt`."""
+    from transformers import AutoTokenizer, WhisperFeatureExtractor
+
+    extractor = WhisperFeatureExtractor.from_pretrained(folder)
+    features = extractor(heard(prompt.audio), sampling_rate=16_000, return_tensors="pt").input_features
+    kwargs: dict[str, Any] = {"task": prompt.task, "language": prompt.language or None}
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    previous = [int(t) for t in tokenizer.get_prompt_ids(prompt.prompt)] if prompt.prompt else []
+    if previous:
+        kwargs["prompt_ids"] = torch.tensor(previous)
+    generation = model.generation_config
+    with torch.inference_mode():
+        out = model.generate(features, max_new_tokens=new, do_sample=False, **kwargs)
+        language = int(model.detect_language(features)[0]) if not prompt.language else \
+            generation.lang_to_id[f"<|{TO_LANGUAGE_CODE.get(prompt.language, prompt.language)}|>"]  # fmt: skip
+    ids = [*previous, generation.decoder_start_token_id, language, generation.task_to_id[prompt.task],
+           generation.no_timestamps_token_id]  # fmt: skip
+    return ids, [int(t) for t in out[0]]
+
+
+@pytest.fixture(scope="module")
+def whisper(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    folder = tmp_path_factory.mktemp("whisper")
+    return folder, save_whisper(folder)
+
+
+@pytest.fixture(scope="module")
+def served(whisper: tuple[Path, Any]) -> Iterator[LLM]:
+    with engine(whisper[0]) as llm:
+        yield llm
+
+
+CASES = {
+    "transcribe": lambda: TranscriptionPrompt(clip(1, 1.5), "en"),
+    "translate": lambda: TranscriptionPrompt(clip(2, 2.5, 8_000), "german", "translate"),
+    "previous text": lambda: TranscriptionPrompt(clip(3, 0.8, 44_100, 2, "FLAC"), "fr", prompt=PREVIOUS),
+    "detected": lambda: TranscriptionPrompt(clip(4, 3.0, 22_050)),
+}
+
+
+def engine_in(folder: Path, chunk: int = 2048, kv_blocks: int = 0, quantization: str = "none") -> LLM:
+    """The offline engine on `folder` (max_model_len the model's 64 positions); `kv_blocks`: a KV pool of that many
+    16-token blocks of the 2-layer model instead of 64 MiB."""
+    memory = kv_blocks * 2 * 2 * 16 * 4 * 16 * 4 if kv_blocks else 64 * 1024**2  # layers, K/V, block, heads, dim, f32
+    return LLM(config=EngineConfig(
+        model=str(folder), device="cpu", quantization=quantization, cache=CacheConfig(memory_bytes=memory),
+        scheduler=SchedulerConfig(max_num_batched_tokens=chunk),
+    ))  # fmt: skip
+
+
+def prompts() -> list[TranscriptionPrompt]:
+    return [CASES[case]() for case in sorted(CASES)]
+
+
+@pytest.mark.parametrize("chunk", [2048, 3])
+def test_transcriptions_equal_transformers_generate(chunk: int, whisper: tuple[Path, Any]) -> None:
+    """Transcribe, translate (a language by name), a previous-text prompt (a 44.1 kHz stereo FLAC) and a detected
+    language (22.05 kHz), batched, whole and in chunks of 3: each prompt's ids and greedy tokens are transformers',
+    and each result says its language and clip length."""
+    folder, model = whisper
+    batch = prompts()
+    expected = [reference(folder, model, prompt) for prompt in batch]
+    with engine_in(folder, chunk=chunk) as llm:
+        results = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert [result.prompt_token_ids for result in results] == [ids for ids, _ in expected]
+    assert [result.choices[0].token_ids for result in results] == [tokens for _, tokens in expected]
+    infos = [result.transcription for result in results]
+    assert all(info is not None for info in infos)
+    assert [info.language for info in infos if info is not None][:3] == ["es", "fr", "en"]  # (detected, given)
+    assert [round(info.duration_seconds, 3) for info in infos if info is not None] == [3.0, 0.8, 1.5, 2.5]
+
+
+def test_preempted_transcriptions_answer_as_transformers_does(whisper: tuple[Path, Any]) -> None:
+    """Eight clips, 30 new tokens each, in a pool of 10 blocks, 8 tokens a step: requests are preempted and recomputed
+    (their K/V kept meanwhile, released at the end); each answer is transformers'."""
+    folder, model = whisper
+    batch = [TranscriptionPrompt(clip(40 + i, 0.5 + 0.3 * i), LANGUAGES[i % 4], prompt="the cat" * (i % 2))
+             for i in range(8)]  # fmt: skip
+    expected = [reference(folder, model, prompt, 30)[1] for prompt in batch]
+    with engine_in(folder, chunk=8, kv_blocks=10) as llm:
+        results = llm.generate(batch, dataclasses.replace(GREEDY, max_tokens=30), use_tqdm=False)
+        assert llm.core.scheduler.total_preemptions > 0
+        assert llm.core.runner.cross_states is not None and llm.core.runner.cross_states.num_requests == 0
+    assert [result.choices[0].token_ids for result in results] == expected
+
+
+def test_the_prefix_cache_keeps_apart_clips_behind_the_same_prompt(whisper: tuple[Path, Any], served: LLM) -> None:
+    """The same previous text and language with the same clip again is served from the prefix cache with the same
+    answer; with another clip (the same ids) it is not, and answers as transformers does for that clip."""
+    folder, model = whisper
+    first = TranscriptionPrompt(clip(5, 1.0), "en", prompt=PREVIOUS)
+    other = dataclasses.replace(first, audio=clip(6, 1.0))
+    again = [served.generate([prompt], GREEDY, use_tqdm=False)[0] for prompt in (first, first, other)]
+    assert again[0].prompt_token_ids == again[2].prompt_token_ids and len(again[0].prompt_token_ids) > 16
+    assert again[1].usage.cached_prompt_tokens >= 16 and again[2].usage.cached_prompt_tokens == 0
+    assert [r.choices[0].token_ids for r in again] == [reference(folder, model, p)[1] for p in (first, first, other)]
+    assert again[0].choices[0].token_ids != again[2].choices[0].token_ids  # (the clip is heard)
+
+
+def test_an_english_only_checkpoint_lays_out_no_language_or_task_token(
+    whisper: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """A generation config without `lang_to_id` and `task_to_id` (an `.en` checkpoint's): the prompt is
+    `<|startoftranscript|><|notimestamps|>` and the tokens transformers' for no language and no task; English (or none)
+    is served, another language and translation are refused by name."""
+    import json
+    import shutil
+
+    folder, model = whisper
+    english = tmp_path / "english"
+    shutil.copytree(folder, english)
+    generation = json.loads((english / "generation_config.json").read_text())
+    for key in ("lang_to_id", "task_to_id", "is_multilingual"):
+        generation.pop(key, None)
+    (english / "generation_config.json").write_text(json.dumps(generation))
+    prompt = CASES["transcribe"]()
+    from transformers import GenerationConfig, WhisperFeatureExtractor
+
+    features = WhisperFeatureExtractor.from_pretrained(folder)(heard(prompt.audio), sampling_rate=16_000,
+                                                               return_tensors="pt").input_features  # fmt: skip
+    saved = model.generation_config
+    model.generation_config = GenerationConfig.from_pretrained(english)
+    try:
+        with torch.inference_mode():
+            expected = [int(t) for t in model.generate(features, max_new_tokens=NEW_TOKENS, do_sample=False)[0]]
+    finally:
+        model.generation_config = saved
+    with engine_in(english) as llm:
+        results = llm.generate([prompt, dataclasses.replace(prompt, language="")], GREEDY, use_tqdm=False)
+        for refused, param in ((dataclasses.replace(prompt, language="de"), "language"),
+                               (dataclasses.replace(prompt, task="translate"), "task")):  # fmt: skip
+            with pytest.raises(ValidationError, match="English-only") as error:
+                llm.generate([refused], GREEDY, use_tqdm=False)
+            assert error.value.param == f"input.transcription.{param}"
+    start, no_timestamps = saved.decoder_start_token_id, saved.no_timestamps_token_id
+    assert [r.prompt_token_ids for r in results] == [[start, no_timestamps]] * 2
+    assert [r.choices[0].token_ids for r in results] == [expected] * 2
+    assert [r.transcription.language for r in results if r.transcription is not None] == ["en", "en"]
+
+
+def test_max_tokens_is_capped_by_the_decoders_positions(served: LLM) -> None:
+    """A max_tokens past what the 64 positions leave after the prompt is capped there, not refused."""
+    prompt = CASES["previous text"]()
+    (result,) = served.generate([prompt], SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True),
+                                use_tqdm=False)  # fmt: skip
+    assert len(result.prompt_token_ids) + len(result.choices[0].token_ids) == 64
+
+
+def test_int8_runs_batch_invariant(whisper: tuple[Path, Any]) -> None:
+    """With int8 weights (the decoder's; the encoder and cross-attention in float) each clip gets the same tokens
+    alone as batched with the others."""
+    folder, _ = whisper
+    batch = prompts()
+    with engine_in(folder, quantization="int8") as llm:
+        batched = [result.choices[0].token_ids for result in llm.generate(batch, GREEDY, use_tqdm=False)]
+        alone = [llm.generate([prompt], GREEDY, use_tqdm=False)[0].choices[0].token_ids for prompt in batch]
+    assert batched == alone and all(len(tokens) == NEW_TOKENS for tokens in batched)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message", "param"),
+    [
+        (TranscriptionPrompt(clip(7, 31.0, 8_000), "en"), "31.0 s long; this model hears at most 30 s",
+         "input.transcription.audio"),
+        (TranscriptionPrompt(b"not audio", "en"), "cannot be read", "input.transcription.audio"),
+        (TranscriptionPrompt(clip(8, 1.0), "klingon"), "language 'klingon' is not one this model knows",
+         "input.transcription.language"),
+        (TranscriptionPrompt(clip(8, 1.0), "en", "summarize"), "task 'summarize' is not served",
+         "input.transcription.task"),
+        (TranscriptionPrompt(clip(8, 1.0), "en", prompt="hi <|en|>"), "special token", "input.transcription.prompt"),
+        ("plain text", "writes audio clips down: send an Input.transcription", "input"),
+        ([1, 2, 3], "writes audio clips down: send an Input.transcription", "input"),
+    ],
+)  # fmt: skip
+def test_what_whisper_does_not_serve_is_refused_by_name(
+    served: LLM, prompt: Any, message: str, param: str
+) -> None:
+    with pytest.raises(ValidationError, match=message) as refused:
+        served.generate([prompt], GREEDY, use_tqdm=False)
+    assert refused.value.param == param
+    (result,) = served.generate([CASES["transcribe"]()], GREEDY, use_tqdm=False)  # (the engine serves on)
+    assert len(result.choices[0].token_ids) == NEW_TOKENS
+
+
+def test_a_transcription_on_another_model_is_refused(tmp_path: Path) -> None:
+    from tests.families import save_family
+
+    with engine(save_family(tmp_path / "text", "llama")) as llm, \
+            pytest.raises(ValidationError, match="does not transcribe audio") as refused:  # fmt: skip
+        llm.generate([CASES["transcribe"]()], GREEDY, use_tqdm=False)
+    assert refused.value.param == "input.transcription"
+
+
+def test_unserved_configurations_are_refused(whisper: tuple[Path, Any], tmp_path: Path) -> None:
+    """Tensor parallelism, and a checkpoint stored quantized, are refused by name before anything loads."""
+    import json
+    import shutil
+
+    folder, _ = whisper
+    with pytest.raises(ValueError, match="Whisper is not served under tensor parallelism"):
+        LLM(config=EngineConfig(model=str(folder), device="cpu", tensor_parallel_size=2))
+    stored = tmp_path / "stored"
+    shutil.copytree(folder, stored)
+    config = json.loads((stored / "config.json").read_text())
+    (stored / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(ValueError, match="whisper checkpoints stored quantized \\(gptq\\) are not served"):
+        LLM(config=EngineConfig(model=str(stored), device="cpu"))
+
+
+def test_responses_carry_the_transcription_info(served: LLM) -> None:
+    """GenerateResponse and Stream's message carry the language and the clip's seconds (convert)."""
+    from engine_server.server import convert
+
+    (result,) = served.generate([CASES["translate"]()], GREEDY, use_tqdm=False)
+    response = convert.generate_response(result, "whisper")
+    assert response.transcription.language == "de" and round(response.transcription.duration_seconds, 3) == 2.5
+    first = convert.stream_response("r", [], "whisper", result.usage, transcription=result.transcription)
+    assert first.transcription.language == "de" and not convert.stream_response("r", [], "m", result.usage).HasField(
+        "transcription"
+    )
+
+
+def test_an_input_transcription_converts(served: LLM) -> None:
+    """`Input.transcription` becomes a TranscriptionPrompt (TRANSLATE, its language, its previous text); one without
+    audio is refused."""
+    from engine_server.server.convert import prompt_from_input
+    from ladle.v1 import types_pb2
+
+    message = types_pb2.Input(transcription=types_pb2.Transcription(
+        audio=types_pb2.Audio(data=b"RIFF"), language="de", task=types_pb2.TRANSCRIPTION_TASK_TRANSLATE, prompt="x"))
+    assert prompt_from_input(message) == TranscriptionPrompt(b"RIFF", "de", "translate", "x")
+    with pytest.raises(ValidationError, match="needs its audio clip"):
+        prompt_from_input(types_pb2.Input(transcription=types_pb2.Transcription(language="en")))
+
+
+async def test_generate_and_stream_over_grpc_detect_the_language_and_report_it(whisper: tuple[Path, Any]) -> None:
+    """Over the gRPC servicer on a served engine: a Generate with no language (detected first, its one-token request
+    beside) and a Stream translating, each answered with transformers' tokens and the clip's TranscriptionInfo (on
+    Stream's first message alone); a text prompt is refused (INVALID_ARGUMENT naming what is served)."""
+    import asyncio
+
+    import grpc
+
+    from engine_server.server.servicer import EngineServicer
+    from engine_server.server.serving import ServingEngine
+    from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
+
+    folder, model = whisper
+    detected, translated = CASES["detected"](), CASES["translate"]()
+    config = EngineConfig(model=str(folder), device="cpu", quantization="none",
+                          cache=CacheConfig(memory_bytes=64 * 1024**2))  # fmt: skip
+    engine = await asyncio.to_thread(ServingEngine.load, config, asyncio.get_running_loop())
+    servicer = EngineServicer()
+    servicer.attach(engine)
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    sampling = types_pb2.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+
+    def transcription(prompt: TranscriptionPrompt, task: types_pb2.TranscriptionTask.ValueType) -> types_pb2.Input:
+        return types_pb2.Input(transcription=types_pb2.Transcription(
+            audio=types_pb2.Audio(data=prompt.audio), language=prompt.language, task=task))  # fmt: skip
+
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = engine_pb2_grpc.EngineServiceStub(channel)
+            whole = await stub.Generate(engine_pb2.GenerateRequest(
+                input=transcription(detected, types_pb2.TRANSCRIPTION_TASK_UNSPECIFIED), sampling=sampling), timeout=60)
+            messages = [message async for message in stub.Stream(engine_pb2.StreamRequest(
+                input=transcription(translated, types_pb2.TRANSCRIPTION_TASK_TRANSLATE), sampling=sampling),
+                timeout=60)]  # fmt: skip
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Generate(engine_pb2.GenerateRequest(input=types_pb2.Input(text="hello"),
+                                                               sampling=sampling), timeout=60)  # fmt: skip
+    finally:
+        await server.stop(None)
+        await engine.close()
+    assert list(whole.choices[0].token_ids) == reference(folder, model, detected)[1]
+    assert whole.transcription.language == "es" and round(whole.transcription.duration_seconds, 3) == 3.0
+    assert [t for m in messages for c in m.choices for t in c.token_ids] == reference(folder, model, translated)[1]
+    assert messages[0].transcription.language == "de"
+    assert not any(m.HasField("transcription") for m in messages[1:])
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "send an Input.transcription" in str(refused.value.details())
