@@ -161,6 +161,18 @@ class WhisperTranscription:
         return MultimodalInputs((span,), transcription=True), TranscriptionInfo(language, seconds)
 
 
+def silent_clip(seconds: float = 1.0, rate: int = 16_000) -> bytes:
+    """`seconds` of silence as a WAV file (an engine's warm-up transcription)."""
+    import io
+
+    import numpy as np
+    import soundfile
+
+    out = io.BytesIO()
+    soundfile.write(out, np.zeros(int(seconds * rate), dtype=np.float32), rate, format="WAV")
+    return out.getvalue()
+
+
 def transcription_refusal(transcribes: bool, folder: Path) -> str:
     """Why the model in `folder` writes no clip down (`transcribes`: `MultimodalCheckpoint.transcribes`); "" where
     it does (then its encoder loads: `engine_server.model_loading`)."""

@@ -50,7 +50,12 @@ from engine_server.lora.peft_format import LoraAdapter
 from engine_server.lora.registry import AdapterRegistry, ServedAdapter
 from engine_server.multimodal.audio import AudioProcessing, served_audio
 from engine_server.multimodal.processing import ImageProcessing, served_images
-from engine_server.multimodal.transcription import TranscriptionPrompt, WhisperTranscription, served_transcription
+from engine_server.multimodal.transcription import (
+    TranscriptionPrompt,
+    WhisperTranscription,
+    served_transcription,
+    silent_clip,
+)
 from engine_server.output import TokenTextCodec
 from engine_server.pooling.params import ModelPooling, PoolingParams
 from engine_server.pooling.requests import (
@@ -287,13 +292,15 @@ class ServingEngine:
         return self.loop.load
 
     async def warm_up(self) -> None:
-        """One tiny generation (an embedding, for an encoder) through the whole path, so the first caller does not
-        pay for lazy setup."""
+        """One tiny generation (an embedding, for an encoder; a transcription of silence, for a speech-to-text model)
+        through the whole path, so the first caller does not pay for lazy setup."""
         if self.info.pooling.encoder:
             await self.embed(EmbedInput("warmup", ["Hello"]))
             return
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-        async for _ in self.generate(GenerationInput("warmup", "Hello", params)):
+        # A speech-to-text model takes clips alone: a second of silence, its language detected where it can be.
+        prompt: Prompt = "Hello" if self.inputs.transcription is None else TranscriptionPrompt(silent_clip())
+        async for _ in self.generate(GenerationInput("warmup", prompt, params)):
             pass
 
     async def close(self) -> None:

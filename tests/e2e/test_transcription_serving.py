@@ -1,0 +1,128 @@
+"""Speech to text end to end: a tiny random Whisper checkpoint as transformers saves it (tests/unit/test_whisper.py)
+behind `ladle engine --quantization none` and `ladle gateway`, through the official openai SDK's
+`audio.transcriptions` and `audio.translations` and through the engine's own gRPC API. Every answer is transformers'
+greedy `generate` for the clip as the engine hears it: a given language, a detected one (verbose_json names it), a
+translation, a stream whose deltas add up to the text. A chat sent to the Whisper engine, and a transcription sent to
+a text model's engine, are 400s naming what each serves."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import pytest
+
+from engine_server.multimodal.transcription import TranscriptionPrompt
+from ladle.client import EngineClient
+from ladle.v1 import engine_pb2, types_pb2
+from tests.e2e.engine_process import EngineProcess, start_engine
+from tests.e2e.gateway_process import GatewayProcess, start_gateway
+from tests.unit.test_audio_input import clip
+from tests.unit.test_whisper import reference, save_whisper
+
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def whisper_served(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Path, Any, EngineProcess, GatewayProcess]]:
+    """A tiny Whisper checkpoint behind `ladle engine` and the gateway."""
+    root = tmp_path_factory.mktemp("whisper")
+    folder = root / "model"
+    model = save_whisper(folder)
+    engine = start_engine(root / "engine.log", "--model", str(folder), "--quantization", "none", threads=1)
+    gateway = start_gateway(root / "gateway.log", engine.address)
+    yield folder, model, engine, gateway
+    assert gateway.stop() == 0
+    assert engine.stop() == 0
+
+
+def expected_text(folder: Path, tokens: list[int]) -> str:
+    """transformers' text of `tokens`, trimmed as OpenAI's answers are."""
+    from transformers import AutoTokenizer
+
+    return str(AutoTokenizer.from_pretrained(folder).decode(tokens, skip_special_tokens=True)).strip()
+
+
+def test_the_openai_sdk_transcribes_and_translates_as_transformers_does(
+    whisper_served: tuple[Path, Any, EngineProcess, GatewayProcess],
+) -> None:
+    """A WAV in English (json), a 22.05 kHz clip whose language is detected (verbose_json: its name, its length and one
+    segment over it), a German FLAC translated, and the first one streamed: each text is transformers' greedy
+    tokens' for the clip as the engine hears it."""
+    folder, model, _, gateway = whisper_served
+    sdk = openai.OpenAI(base_url=gateway.base_url, api_key="unused")
+    model_id = sdk.models.list().data[0].id
+    limit = {"max_completion_tokens": NEW_TOKENS}
+    english, unknown, german = clip(11, 1.5), clip(12, 2.0, 22_050), clip(13, 1.2, 44_100, 2, "FLAC")
+
+    reply = sdk.audio.transcriptions.create(model=model_id, file=("a.wav", english), language="en", extra_body=limit)
+    _, tokens = reference(folder, model, TranscriptionPrompt(english, "en"), NEW_TOKENS)
+    assert reply.text == expected_text(folder, tokens)
+
+    verbose = sdk.audio.transcriptions.create(model=model_id, file=("b.wav", unknown), response_format="verbose_json",
+                                              extra_body=limit)  # fmt: skip
+    ids, tokens = reference(folder, model, TranscriptionPrompt(unknown), NEW_TOKENS)
+    codes = {v: k[2:-2] for k, v in model.generation_config.lang_to_id.items()}
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    assert verbose.language == LANGUAGES[codes[ids[1]]]  # (the language token transformers' detection picks)
+    assert verbose.text == expected_text(folder, tokens)
+    assert verbose.duration == pytest.approx(2.0, abs=1e-3)
+    assert verbose.segments is not None and verbose.segments[0].end == pytest.approx(2.0, abs=1e-3)
+
+    translated = sdk.audio.translations.create(model=model_id, file=("c.flac", german), extra_body={
+        **limit, "language": "de"})  # fmt: skip
+    _, tokens = reference(folder, model, TranscriptionPrompt(german, "de", "translate"), NEW_TOKENS)
+    assert translated.text == expected_text(folder, tokens)
+
+    stream = sdk.audio.transcriptions.create(model=model_id, file=("a.wav", english), language="en", stream=True,
+                                             extra_body=limit)  # fmt: skip
+    events = list(stream)
+    deltas = "".join(event.delta for event in events if event.type == "transcript.text.delta")
+    done = [event for event in events if event.type == "transcript.text.done"]
+    assert len(done) == 1 and done[0].text == reply.text and deltas.strip() == reply.text
+
+
+def test_grpc_callers_send_transcriptions(whisper_served: tuple[Path, Any, EngineProcess, GatewayProcess]) -> None:
+    """`Input.transcription` over gRPC: transformers' prompt ids and tokens, the clip's language and length on the
+    reply; a chat turn to the Whisper engine is INVALID_ARGUMENT naming what it serves."""
+    folder, model, engine, _ = whisper_served
+    data = clip(14, 1.0, 8_000)
+    ids, tokens = reference(folder, model, TranscriptionPrompt(data, "fr", prompt="the cat"), NEW_TOKENS)
+    speech = types_pb2.Transcription(audio=types_pb2.Audio(data=data), language="french", prompt="the cat",
+                                     task=types_pb2.TRANSCRIPTION_TASK_TRANSCRIBE)  # fmt: skip
+    with EngineClient(engine.address) as client:
+        reply = client.generate(engine_pb2.GenerateRequest(
+            input=types_pb2.Input(transcription=speech),
+            sampling=types_pb2.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, return_prompt_token_ids=True),
+        ))  # fmt: skip
+        assert list(reply.prompt_token_ids) == ids
+        assert list(reply.choices[0].token_ids) == tokens
+        assert reply.transcription.language == "fr"
+        assert reply.transcription.duration_seconds == pytest.approx(1.0, abs=1e-3)
+        chat = types_pb2.ChatInput(messages=[types_pb2.ChatMessage(role="user", content="hello")])
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate(engine_pb2.GenerateRequest(input=types_pb2.Input(chat=chat)))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Input.transcription" in str(refused.value.details())
+
+
+def test_a_chat_to_whisper_and_a_transcription_to_a_text_model_are_refused(
+    whisper_served: tuple[Path, Any, EngineProcess, GatewayProcess], openai_client: openai.OpenAI, model_id: str,
+) -> None:
+    """Through the gateway: a chat completion on the Whisper engine, and a transcription on the default text model's
+    engine, are 400s whose messages say what each model serves."""
+    _, _, _, gateway = whisper_served
+    sdk = openai.OpenAI(base_url=gateway.base_url, api_key="unused")
+    whisper_id = sdk.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError, match="transcription") as chat:
+        sdk.chat.completions.create(model=whisper_id, messages=[{"role": "user", "content": "hello"}], max_tokens=2)
+    assert chat.value.status_code == 400
+    with pytest.raises(openai.BadRequestError, match="does not transcribe") as speech:
+        openai_client.audio.transcriptions.create(model=model_id, file=("a.wav", clip(15, 0.5)))
+    assert speech.value.status_code == 400
