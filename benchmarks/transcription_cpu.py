@@ -1,0 +1,125 @@
+"""Speech to text on the CPU: a random Whisper checkpoint of whisper-base's shape (512 wide, 6 encoder and 6 decoder
+layers, 8 heads; the embedded tokenizer's 49k tokens with Whisper's special tokens added) transcribing 10-second clips,
+served by the engine on the float path and on its int8 default, and by transformers' own `generate` in the same run:
+one clip (64 new tokens) start to end and to its first token, and 8 clips at once (the engine batches them, and
+transformers' `generate` takes them as one batch too: Whisper's features are all one window long). The
+float path's greedy tokens must equal transformers' (the script fails otherwise). Whisper's encoder always reads its
+30-second window, and it is transformers' float module on every path, so the first token is no faster.
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.transcription_cpu --out benchmarks/results/transcription_cpu.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks import media_input
+from benchmarks.common import append_result
+from benchmarks.vl_checkpoints import save_drawn, vision_tokenizer
+
+NEW = 64
+SECONDS = 10.0
+RATE = 16_000
+SHAPE = {"d_model": 512, "encoder_layers": 6, "decoder_layers": 6, "encoder_attention_heads": 8,
+         "decoder_attention_heads": 8, "encoder_ffn_dim": 2048, "decoder_ffn_dim": 2048, "num_mel_bins": 80,
+         "max_source_positions": 1500, "max_target_positions": 448}  # fmt: skip
+LANGUAGES = ("en", "de", "fr", "es")
+SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", *[f"<|{code}|>" for code in LANGUAGES], "<|translate|>",
+            "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"]  # fmt: skip
+
+
+def recording(seed: int) -> bytes:
+    """A random SECONDS-long clip (tones and noise) as a 16 kHz mono WAV file."""
+    import numpy as np
+    import soundfile
+
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(SECONDS * RATE)) / RATE
+    wave = sum(np.sin(2 * np.pi * f * t) for f in rng.uniform(100, 2000, 4)) * 0.2
+    out = io.BytesIO()
+    soundfile.write(out, (wave + 0.05 * rng.standard_normal(t.shape[0])).astype(np.float32), RATE, format="WAV")
+    return out.getvalue()
+
+
+def save_checkpoint(folder: Path) -> Any:
+    """The benchmark's random Whisper checkpoint in `folder`, with its feature extractor and generation config."""
+    import transformers
+
+    tokenizer = vision_tokenizer(folder, SPECIALS, "")
+    ids = {token: int(tokenizer.convert_tokens_to_ids(token)) for token in SPECIALS}
+    eos, start = ids["<|endoftext|>"], ids["<|startoftranscript|>"]
+    config = transformers.WhisperConfig(**SHAPE, vocab_size=len(tokenizer), decoder_start_token_id=start,
+                                        eos_token_id=eos, pad_token_id=eos, bos_token_id=eos)  # fmt: skip
+    model = save_drawn(folder, transformers.WhisperForConditionalGeneration, config, lambda name: False, (0.05, 0.05))
+    generation = transformers.GenerationConfig(
+        decoder_start_token_id=start, eos_token_id=eos, pad_token_id=eos, bos_token_id=eos,
+        lang_to_id={f"<|{code}|>": ids[f"<|{code}|>"] for code in LANGUAGES},
+        task_to_id={"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]},
+        no_timestamps_token_id=ids["<|notimestamps|>"], prev_sot_token_id=ids["<|startofprev|>"],
+        is_multilingual=True, suppress_tokens=[], begin_suppress_tokens=[eos], max_length=448,
+    )  # fmt: skip
+    generation.save_pretrained(folder)
+    model.generation_config = generation
+    transformers.WhisperFeatureExtractor(feature_size=80).save_pretrained(folder)
+    return model
+
+
+def transformers_run(model: Any, folder: Path, clips: list[bytes]) -> dict[str, Any]:
+    """transformers' timings over `clips` (`media_input.transformers_run`)."""
+    import numpy as np
+    import soundfile
+    import torch
+    from transformers import WhisperFeatureExtractor
+
+    extractor = WhisperFeatureExtractor.from_pretrained(folder)
+
+    def generate_all(batch: list[bytes], new: int) -> list[list[int]]:
+        samples = [np.asarray(soundfile.read(io.BytesIO(clip), dtype="float32")[0]) for clip in batch]
+        features = extractor(samples, sampling_rate=RATE, return_tensors="pt").input_features
+        with torch.inference_mode():
+            out = model.generate(features, language="en", task="transcribe", max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False)  # fmt: skip
+        return [[int(t) for t in row] for row in out]
+
+    def generate(clip: bytes, new: int) -> list[int]:
+        return generate_all([clip], new)[0]
+
+    return media_input.transformers_run(generate, clips, recording(99), NEW, generate_all)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine_server.multimodal.transcription import TranscriptionPrompt
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=8, help="clips at once")
+    parser.add_argument("--out", type=Path, help="append the results to this JSONL file")
+    args = parser.parse_args(argv)
+    command = "python -m benchmarks.transcription_cpu" + (f" --out {args.out}" if args.out else "")
+    clips = [recording(seed) for seed in range(args.requests)]
+    with tempfile.TemporaryDirectory() as root:
+        folder = Path(root) / "whisper"
+        model = save_checkpoint(folder)
+        model.eval()
+        peer = transformers_run(model, folder, clips)
+        prompts = [TranscriptionPrompt(clip, "en") for clip in clips]
+        runs = media_input.compared_runs(folder, peer, prompts, TranscriptionPrompt(recording(99), "en"), NEW,
+                                         max_model_len=SHAPE["max_target_positions"])  # fmt: skip
+    if runs is None:
+        return 1
+    result = media_input.result_record(
+        "transcription_cpu", command, runs, args.requests, NEW, model="whisper", shape=SHAPE, weights="random",
+        clip_seconds=SECONDS,
+    )  # fmt: skip
+    print(result)
+    if args.out:
+        append_result(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
