@@ -15,6 +15,7 @@ import argparse
 import io
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from benchmarks.vl_checkpoints import save_drawn, vision_tokenizer
 NEW = 64
 SECONDS = 10.0
 RATE = 16_000
-SHAPE = {"d_model": 512, "encoder_layers": 6, "decoder_layers": 6, "encoder_attention_heads": 8,
+SHAPE: dict[str, Any] = {"d_model": 512, "encoder_layers": 6, "decoder_layers": 6, "encoder_attention_heads": 8,
          "decoder_attention_heads": 8, "encoder_ffn_dim": 2048, "decoder_ffn_dim": 2048, "num_mel_bins": 80,
          "max_source_positions": 1500, "max_target_positions": 448}  # fmt: skip
 LANGUAGES = ("en", "de", "fr", "es")
@@ -78,7 +79,7 @@ def transformers_run(model: Any, folder: Path, clips: list[bytes]) -> dict[str, 
 
     extractor = WhisperFeatureExtractor.from_pretrained(folder)
 
-    def generate_all(batch: list[bytes], new: int) -> list[list[int]]:
+    def generate_all(batch: Sequence[bytes], new: int) -> list[list[int]]:
         samples = [np.asarray(soundfile.read(io.BytesIO(clip), dtype="float32")[0]) for clip in batch]
         features = extractor(samples, sampling_rate=RATE, return_tensors="pt").input_features
         with torch.inference_mode():
