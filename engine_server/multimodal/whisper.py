@@ -69,27 +69,30 @@ class WhisperAudioEncoder(CheckpointEncoder):
         return states
 
     def cross_kv(self, states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each decoder layer's cross-attention (K, V) `[heads, frames, head_dim]` of a clip's states."""
+        """Each decoder layer's cross-attention (K transposed, `[heads, head_dim, frames]`; V, `[heads, frames,
+        head_dim]`) of a clip's states, each contiguous: every step's products read them as they are stored."""
         kv = []
         for layer in self.cross_layers:
             attention: Any = layer.encoder_attn
             heads, dim = attention.num_heads, attention.head_dim
-            keys = attention.k_proj(states).view(-1, heads, dim).transpose(0, 1)
-            values = attention.v_proj(states).view(-1, heads, dim).transpose(0, 1)
+            keys = attention.k_proj(states).view(-1, heads, dim).permute(1, 2, 0).contiguous()
+            values = attention.v_proj(states).view(-1, heads, dim).transpose(0, 1).contiguous()
             kv.append((keys, values))
         return kv
 
     def cross_layer(self, index: int, stream: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Layer `index`'s cross-attention over one request's rows `stream` `[q, d_model]` (the residual stream after
-        its self-attention) and its clip's (K, V), no mask over the frames: the stream after the residual add, as
-        `WhisperDecoderLayer` computes it (the query scaled before its product, as `WhisperAttention` does)."""
+        its self-attention) and its clip's (K transposed, V: `cross_kv`), no mask over the frames: the stream after
+        the residual add, as `WhisperDecoderLayer` computes it (the query scaled before its product, as
+        `WhisperAttention` does). One request's rows at a time: the projections' products then never depend on the
+        step's other requests (a request's tokens are the same alone as batched)."""
         layer: Any = self.cross_layers[index]
         attention = layer.encoder_attn
         heads, dim = attention.num_heads, attention.head_dim
         keys, values = kv
         normed = layer.encoder_attn_layer_norm(stream)
         query = (attention.q_proj(normed) * attention.scaling).view(-1, heads, dim).transpose(0, 1)
-        probs = torch.softmax(torch.matmul(query, keys.transpose(1, 2)).float(), dim=-1).to(query.dtype)
+        probs = torch.softmax(torch.matmul(query, keys).float(), dim=-1).to(query.dtype)
         attended = attention.out_proj(torch.matmul(probs, values).transpose(0, 1).reshape(stream.shape[0], -1))
         out: torch.Tensor = stream + attended
         return out
