@@ -86,6 +86,9 @@ class MultimodalInputs:
     # A Whisper transcription's (`multimodal.whisper`): its one span the clip's log-mel features (no placeholder: the
     # decoder reads the encoder's states through cross-attention inside every layer).
     transcription: bool = False
+    # A Whisper language detection's (`multimodal.transcription`): the transcription that follows it reads the same
+    # clip, so its encoder states outlive it (`multimodal.whisper.WhisperCrossStates`).
+    detects_language: bool = False
 
     def cross_mask_rows(self, start: int, count: int) -> torch.Tensor:
         """`cross_attention_mask`'s rows of positions `[start, start + count)`, a position past the prompt's (an

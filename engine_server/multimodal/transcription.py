@@ -136,7 +136,7 @@ class WhisperTranscription:
         """The one-token request that detects `prompt`'s language: `<|startoftranscript|>` alone, every token of the
         model's `vocab_size` but the languages' suppressed (its output the language token, as transformers'
         `detect_language` picks it)."""
-        clip, info = self._clip(prompt.audio, "")
+        clip, info = self._clip(prompt.audio, "", detection=True)
         allowed = set(self.languages.values())
         others = tuple(t for t in range(vocab_size) if t not in allowed)
         return PreparedTranscription([self.start], clip, info, others, ())
@@ -153,12 +153,15 @@ class WhisperTranscription:
                                   f"{self.tokenizer.convert_ids_to_tokens(special)!r}", "input.transcription.prompt")
         return [self.previous, *ids]
 
-    def _clip(self, data: bytes, language: str) -> tuple[MultimodalInputs, TranscriptionInfo]:
+    def _clip(self, data: bytes, language: str, detection: bool = False) -> tuple[MultimodalInputs, TranscriptionInfo]:
+        """The clip as the encoder takes it (a language `detection`'s: its states kept for the transcription after
+        it) and what the caller learns of it; ValidationError as `prepare`."""
         samples, seconds = decoded_clip(PromptAudio(data, "input.transcription.audio"), self.sampling_rate,
                                         self.max_seconds)  # fmt: skip
         features = self.extractor(samples, sampling_rate=self.sampling_rate, return_tensors="pt").input_features
         span = ImageSpan(0, 0, features, image_digest(data))
-        return MultimodalInputs((span,), transcription=True), TranscriptionInfo(language, seconds)
+        return MultimodalInputs((span,), transcription=True, detects_language=detection), TranscriptionInfo(language,
+                                                                                                            seconds)
 
 
 def silent_clip(seconds: float = 1.0, rate: int = 16_000) -> bytes:

@@ -13,6 +13,7 @@ Each request's memory beside its KV blocks: layers x 2 x 1500 frames x d_model v
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,10 +143,16 @@ class WhisperCrossStep:
         return hidden.index_fill(0, index, 0), residual.index_copy(0, index, torch.cat(pieces).to(residual.dtype))
 
 
+# Language detections whose clip's K/V are kept after they finish, for the transcriptions that follow them (the most
+# recent; an older one's dropped first, as when its caller went away): each one clip's K/V beside the running ones'.
+KEPT_DETECTIONS = 8
+
+
 class WhisperCrossStates:
     """The running transcriptions' cross-attention K/V, made when a step first computes one of a request's tokens and
-    kept until it is released (by request id), shared by requests with the same clip (`MultimodalInputs.digest`). On
-    the step thread only."""
+    kept until it is released (by request id), shared by requests with the same clip (`MultimodalInputs.digest`). A
+    language detection's (`MultimodalInputs.detects_language`) outlive it, up to KEPT_DETECTIONS of them, until the
+    transcription of the same clip that follows takes them: its clip is encoded once. On the step thread only."""
 
     def __init__(self, encoder: WhisperAudioEncoder, device: torch.device, dtype: torch.dtype) -> None:
         self.encoder = encoder
@@ -154,6 +161,8 @@ class WhisperCrossStates:
         self._kv: dict[bytes, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._users: dict[bytes, set[str]] = {}
         self._held: dict[str, bytes] = {}
+        self._detecting: set[str] = set()
+        self._kept: OrderedDict[bytes, list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
 
     def step(self, chunks: Sequence[tuple[Request, int, int]]) -> WhisperCrossStep | None:
         """The cross-attention of a step whose request i computes `count_i` tokens (`chunks`, in the step's row order:
@@ -170,22 +179,34 @@ class WhisperCrossStates:
     def _states(self, request_id: str, clip: MultimodalInputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
         digest = clip.digest
         kv = self._kv.get(digest)
+        if kv is None and digest in self._kept:  # (its language's detection encoded it)
+            kv = self._kv[digest] = self._kept.pop(digest)
         if kv is None:
             features = clip.images[0].pixel_values.to(device=self.device, dtype=self.dtype)
             kv = self._kv[digest] = self.encoder.cross_kv(self.encoder.encode(features))
         self._users.setdefault(digest, set()).add(request_id)
         self._held[request_id] = digest
+        if clip.detects_language:
+            self._detecting.add(request_id)
         return kv
 
     def release(self, request_id: str) -> None:
-        """Forget a finished or aborted request's hold on its K/V (the K/V once no request holds them)."""
+        """Forget a finished or aborted request's hold on its K/V (the K/V once no request holds them; a language
+        detection's kept for the transcription after it, the oldest kept dropped past KEPT_DETECTIONS)."""
         digest = self._held.pop(request_id, None)
         if digest is None:
             return
         users = self._users[digest]
         users.discard(request_id)
+        detection = request_id in self._detecting
+        self._detecting.discard(request_id)
         if not users:
-            del self._users[digest], self._kv[digest]
+            kv = self._kv.pop(digest)
+            del self._users[digest]
+            if detection:
+                self._kept[digest] = kv
+                while len(self._kept) > KEPT_DETECTIONS:
+                    self._kept.popitem(last=False)
 
     @property
     def num_requests(self) -> int:

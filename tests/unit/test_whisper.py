@@ -22,6 +22,7 @@ from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
 from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_server.errors import ValidationError
+from engine_server.frontend import LanguageDetection
 from engine_server.llm import LLM
 from engine_server.multimodal.transcription import TranscriptionPrompt
 from engine_server.sampling_params import SamplingParams
@@ -234,6 +235,28 @@ def test_an_english_only_checkpoint_lays_out_no_language_or_task_token(
     assert [r.prompt_token_ids for r in results] == [[start, no_timestamps]] * 2
     assert [r.choices[0].token_ids for r in results] == [expected] * 2
     assert [r.transcription.language for r in results if r.transcription is not None] == ["en", "en"]
+
+
+def test_a_detected_language_encodes_its_clip_once(whisper: tuple[Path, Any]) -> None:
+    """A transcription naming no language: its detection's encoder states are kept for it, so the encoder runs once
+    for the pair, and the answer is transformers'; past KEPT_DETECTIONS, the oldest kept states are dropped."""
+    from engine_server.multimodal import whisper as whisper_states
+
+    folder, model = whisper
+    prompt = CASES["detected"]()
+    with engine_in(folder) as llm:
+        states = llm.core.runner.cross_states
+        assert isinstance(states, whisper_states.WhisperCrossStates)
+        encoded: list[int] = []
+        encode = states.encoder.encode
+        states.encoder.encode = lambda *args, **kwargs: encoded.append(1) or encode(*args, **kwargs)  # type: ignore
+        (result,) = llm.generate([prompt], GREEDY, use_tqdm=False)
+        assert len(encoded) == 1 and states.num_requests == 0 and not states._kept
+        assert result.choices[0].token_ids == reference(folder, model, prompt)[1]
+        more = [TranscriptionPrompt(clip(60 + i, 0.5)) for i in range(whisper_states.KEPT_DETECTIONS + 2)]
+        detections = [LanguageDetection(p) for p in more]
+        llm.generate(detections, SamplingParams(max_tokens=1), use_tqdm=False)
+        assert len(states._kept) == whisper_states.KEPT_DETECTIONS
 
 
 def test_max_tokens_is_capped_by_the_decoders_positions(served: LLM) -> None:
