@@ -52,8 +52,8 @@ class RoutingConfig:
 
 def input_bytes(value: types_pb2.Input) -> bytes:
     """The input as the bytes routing hashes: equal for inputs the model reads identically, and a request
-    that extends another (more messages, a longer prompt) extends its bytes; a transcription's are its clip's
-    `clip_key`, then its task, language and prompt."""
+    that extends another (more messages, a longer prompt) extends its bytes; a chat turn's images and audio clips, and
+    a transcription's clip, are their `clip_key`s (a transcription's then its task, language and prompt)."""
     kind = value.WhichOneof("kind")
     if kind == "text":
         return value.text.encode()
@@ -61,7 +61,7 @@ def input_bytes(value: types_pb2.Input) -> bytes:
         return b"".join(token.to_bytes(4, "little") for token in value.token_ids.ids)
     if kind == "chat":
         parts = [tool.SerializeToString(deterministic=True) for tool in value.chat.tools]
-        parts += [message.SerializeToString(deterministic=True) for message in value.chat.messages]
+        parts += [_with_media_keys(message).SerializeToString(deterministic=True) for message in value.chat.messages]
         return b"".join(parts)
     if kind == "transcription":
         speech = value.transcription
@@ -69,9 +69,23 @@ def input_bytes(value: types_pb2.Input) -> bytes:
     return b""
 
 
+def _with_media_keys(message: types_pb2.ChatMessage) -> types_pb2.ChatMessage:
+    """`message` with each image's and audio clip's bytes replaced by their `clip_key` (the message itself where it
+    has none): a 20 MiB image costs one hash in an engine's record, and the same image still finds it."""
+    if not any(part.HasField("image") or part.HasField("audio") for part in message.content_parts):
+        return message
+    keyed = types_pb2.ChatMessage()
+    keyed.CopyFrom(message)
+    for part in keyed.content_parts:
+        media = part.image if part.HasField("image") else part.audio if part.HasField("audio") else None
+        if media is not None:
+            media.data = clip_key(media.data)
+    return keyed
+
+
 def clip_key(data: bytes) -> bytes:
-    """An audio clip as one whole chunk of routing bytes: a digest of it, repeated to CHUNK_BYTES. The same clip
-    finds the engine that heard it, and a 25 MiB clip costs one hash in an engine's record, not 100,000."""
+    """An audio clip or an image as one whole chunk of routing bytes: a digest of it, repeated to CHUNK_BYTES. The
+    same clip finds the engine that heard it, and a 25 MiB clip costs one hash in an engine's record, not 100,000."""
     digest = hashlib.blake2b(data, digest_size=64).digest()
     return digest * (CHUNK_BYTES // len(digest))
 

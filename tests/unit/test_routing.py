@@ -239,3 +239,26 @@ async def test_an_error_other_than_unavailable_is_not_retried(
     with pytest.raises(APIError) as failed:
         await calls.batch_rpc(pool, requests, "messages")
     assert failed.value.status == 400 and first.calls + second.calls == 1
+
+
+def test_a_chats_images_and_clips_are_routed_by_their_digests() -> None:
+    """A turn's image and audio bytes count as one chunk each (`clip_key`): a 4 MiB image costs one hash, the same
+    image routes alike and another does not, and a conversation that extends the turn extends its bytes."""
+    from gateway.routing import clip_key
+
+    def turn(image: bytes, clip: bytes) -> types_pb2.ChatMessage:
+        return types_pb2.ChatMessage(role="user", content_parts=[
+            types_pb2.ContentPart(text="What is this?"), types_pb2.ContentPart(image=types_pb2.Image(data=image)),
+            types_pb2.ContentPart(audio=types_pb2.Audio(data=clip))])  # fmt: skip
+
+    def chat(*messages: types_pb2.ChatMessage) -> bytes:
+        return input_bytes(types_pb2.Input(chat=types_pb2.ChatInput(messages=list(messages))))
+
+    big, other, clip = b"\x89PNG" + bytes(4 * 2**20), b"\x89PNG" + bytes(2**20), b"RIFF" + bytes(2**20)
+    keyed = chat(turn(big, clip))
+    assert len(keyed) < 3 * CHUNK_BYTES and clip_key(big) in keyed and clip_key(clip) in keyed
+    assert keyed == chat(turn(big, clip)) and keyed != chat(turn(other, clip))
+    longer = chat(turn(big, clip), types_pb2.ChatMessage(role="assistant", content="A cat."))
+    assert longer.startswith(keyed) and len(prefix_hashes(longer)) >= len(prefix_hashes(keyed))
+    plain = types_pb2.ChatMessage(role="user", content="hello")
+    assert chat(plain) == plain.SerializeToString(deterministic=True)
