@@ -425,8 +425,22 @@ def test_a_long_clip_is_served_as_its_windows(whisper: tuple[Path, Any], served:
     prompt = TranscriptionPrompt(audio, prompt=PREVIOUS)
     windows, expected = long_windows(whisper, prompt)
     short = CASES["transcribe"]()
-    (joined, beside), alone = served.generate([prompt, short], GREEDY, use_tqdm=False), served.generate(
-        windows, GREEDY, use_tqdm=False)  # fmt: skip
+    transcription = served.inputs.transcription
+    assert transcription is not None
+    detections: list[bytes] = []
+    detection = transcription.detection
+
+    def spy(prompt: TranscriptionPrompt, vocab_size: int) -> Any:
+        detections.append(prompt.audio)
+        return detection(prompt, vocab_size)
+
+    transcription.detection = spy  # type: ignore[method-assign]
+    try:
+        joined, beside = served.generate([prompt, short], GREEDY, use_tqdm=False)
+    finally:
+        transcription.detection = detection  # type: ignore[method-assign]
+    assert detections == [windows[0].audio]  # (detected once, on the first window)
+    alone = served.generate(windows, GREEDY, use_tqdm=False)
     assert [result.prompt_token_ids for result in alone] == [ids for ids, _ in expected]
     assert [result.choices[0].token_ids for result in alone] == [tokens for _, tokens in expected]
     assert joined.prompt_token_ids == [t for ids, _ in expected for t in ids]
@@ -494,6 +508,7 @@ async def test_a_long_clip_over_grpc_generate_and_stream(whisper: tuple[Path, An
                                         timeout=120)  # fmt: skip
             messages = [message async for message in stub.Stream(engine_pb2.StreamRequest(
                 input=transcription(german), sampling=sampling), timeout=120)]  # fmt: skip
+        aborted = await cancelled_after_the_first_update(engine, TranscriptionPrompt(audio, "en"))
     finally:
         await server.stop(None)
         await engine.close()
@@ -507,6 +522,31 @@ async def test_a_long_clip_over_grpc_generate_and_stream(whisper: tuple[Path, An
     assert messages[0].transcription.language == "de" and round(messages[0].transcription.duration_seconds) == 65
     assert "".join(c.text for m in messages for c in m.choices) == joined_text(folder, german_expected)
     assert whole.choices[0].text == joined_text(folder, detected_expected)
+    assert len({core_id.rpartition("/")[0] for core_id in aborted}) == 3  # (closing early aborts every window)
+
+
+async def cancelled_after_the_first_update(engine: Any, prompt: TranscriptionPrompt) -> list[str]:
+    """The core ids `engine` aborts when a long clip's generate (windows running long: ignore_eos) is closed after
+    its first update."""
+    import contextlib
+
+    from engine_server.server.serving import GenerationInput
+
+    aborted: list[str] = []
+    abort = engine.loop.abort
+
+    def spy(ids: list[str]) -> None:
+        aborted.extend(ids)
+        abort(ids)
+
+    engine.loop.abort = spy
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    async with contextlib.aclosing(engine.generate(GenerationInput("c", prompt, params))) as updates:
+        async for update in updates:
+            assert not update.finished
+            break
+    engine.loop.abort = abort
+    return aborted
 
 
 def joined_text(folder: Path, expected: list[tuple[list[int], list[int]]]) -> str:
