@@ -10,7 +10,7 @@ most `window`. The windows cover every sample exactly once, in order. Pure: no m
 from __future__ import annotations
 
 import dataclasses
-import io
+import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -47,13 +47,13 @@ def split_clip(samples: np.ndarray[Any, Any], rate: int, window_seconds: float) 
 
 
 def window_wav(samples: np.ndarray[Any, Any], rate: int) -> bytes:
-    """`samples` (1-D float32 at `rate`) as a mono float32 WAV file, which `decoded_clip` reads back to the same
-    samples (no resampling at the model's own rate)."""
-    import soundfile
-
-    out = io.BytesIO()
-    soundfile.write(out, np.asarray(samples, dtype=np.float32), rate, format="WAV", subtype="FLOAT")
-    return out.getvalue()
+    """`samples` (1-D float32 at `rate`) as a mono 32-bit float WAV file (a 16-byte `fmt ` chunk of format 3, IEEE
+    float, and the `data` chunk: nothing else, so the same samples give the same bytes and digest), which
+    `decoded_clip` reads back to the same samples (no resampling at the model's own rate)."""
+    data = np.ascontiguousarray(samples, dtype="<f4").tobytes()
+    fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
+    return b"".join([b"RIFF", struct.pack("<I", 4 + 8 + len(fmt) + 8 + len(data)), b"WAVE", b"fmt ",
+                     struct.pack("<I", len(fmt)), fmt, b"data", struct.pack("<I", len(data)), data])  # fmt: skip
 
 
 def separator(before: str, after: str) -> str:

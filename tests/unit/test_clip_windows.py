@@ -65,6 +65,7 @@ def test_a_window_wav_reads_back_to_its_samples() -> None:
     samples = noisy(1.5)
     read, rate = soundfile.read(io.BytesIO(window_wav(samples, RATE)), dtype="float32")
     assert rate == RATE and np.array_equal(read, samples)
+    assert window_wav(samples, RATE) == window_wav(samples.copy(), RATE)  # (the same bytes: the same digest)
 
 
 def result(text: str, tokens: list[int], reason: FinishReason, prompt: list[int], seconds: float) -> GenerationResult:
