@@ -114,7 +114,8 @@ class LLM:
         audio, audio_refusal = served_audio(source.config.multimodal, source.path, self.tokenizer)
         multimodal = source.config.multimodal
         transcription, transcription_refusal = served_transcription(
-            multimodal is not None and multimodal.transcribes, source.path, self.tokenizer
+            multimodal is not None and multimodal.transcribes, source.path, self.tokenizer,
+            config.max_transcription_seconds,
         )
         self.inputs = InputProcessor(
             self.tokenizer,

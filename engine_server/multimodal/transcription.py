@@ -94,14 +94,16 @@ class WhisperTranscription:
         self.special_ids = frozenset(int(i) for i in tokenizer.all_special_ids) | frozenset(self.languages.values())
 
     @classmethod
-    def for_model(cls, folder: Path, tokenizer: Any) -> WhisperTranscription:
-        """The prompts of the checkpoint in `folder`."""
+    def for_model(
+        cls, folder: Path, tokenizer: Any, max_clip_seconds: float = MAX_CLIP_SECONDS
+    ) -> WhisperTranscription:
+        """The prompts of the checkpoint in `folder` (clips up to `max_clip_seconds`)."""
         from transformers import WhisperFeatureExtractor
 
         extractor = WhisperFeatureExtractor.from_pretrained(str(folder))
         path = folder / _GENERATION_CONFIG
         generation = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-        return cls(extractor, generation, tokenizer)
+        return cls(extractor, generation, tokenizer, max_clip_seconds)
 
     def language_code(self, language: str) -> str:
         """The ISO code of `language` (a code, `<|code|>`, or a name transformers knows: `TO_LANGUAGE_CODE`);
@@ -199,11 +201,12 @@ def transcription_refusal(transcribes: bool, folder: Path) -> str:
 
 
 def served_transcription(
-    transcribes: bool, folder: Path, tokenizer: Any
+    transcribes: bool, folder: Path, tokenizer: Any, max_clip_seconds: float = MAX_CLIP_SECONDS
 ) -> tuple[WhisperTranscription | None, str]:
-    """The prompts of the model in `folder` where it transcribes (`MultimodalCheckpoint.transcribes`), and the refusal
-    of a transcription where it does not (`transcription_refusal`)."""
+    """The prompts of the model in `folder` where it transcribes (`MultimodalCheckpoint.transcribes`; clips up to
+    `max_clip_seconds`: `EngineConfig.max_transcription_seconds`), and the refusal of a transcription where it does not
+    (`transcription_refusal`)."""
     refusal = transcription_refusal(transcribes, folder)
     if refusal:
         return None, refusal
-    return WhisperTranscription.for_model(folder, tokenizer), ""
+    return WhisperTranscription.for_model(folder, tokenizer, max_clip_seconds), ""

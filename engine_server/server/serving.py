@@ -252,7 +252,8 @@ class ServingEngine:
         images = served_images(source.config.multimodal, source.path, tokenizer, max_step, config.tensor_parallel_size)
         audio = served_audio(source.config.multimodal, source.path, tokenizer)
         multimodal = source.config.multimodal
-        transcription = served_transcription(multimodal is not None and multimodal.transcribes, source.path, tokenizer)
+        transcription = served_transcription(multimodal is not None and multimodal.transcribes, source.path, tokenizer,
+                                             config.max_transcription_seconds)  # fmt: skip
         return cls(
             core, tokenizer, source.name, eos, loop, grammar_config, generation_defaults=defaults, pooling=pooling,
             images=images, audio=audio, transcription=transcription,

@@ -455,17 +455,19 @@ def test_a_long_clip_is_served_as_its_windows(whisper: tuple[Path, Any], served:
     assert beside.choices[0].token_ids == served.generate([short], GREEDY, use_tqdm=False)[0].choices[0].token_ids
 
 
-def test_a_clip_over_the_cap_is_refused_by_name(served: LLM) -> None:
-    """A clip longer than the cap (`max_clip_seconds`, an hour by default; 60 s here) is refused with its length."""
+def test_a_clip_over_the_cap_is_refused_by_name(whisper: tuple[Path, Any], served: LLM) -> None:
+    """A clip longer than the cap (`EngineConfig.max_transcription_seconds`, an hour by default; 60 s here) is refused
+    with its length; a cap of 0 is refused at the start."""
     transcription = served.inputs.transcription
     assert transcription is not None and transcription.max_clip_seconds == 3600.0
-    transcription.max_clip_seconds = 60.0
-    try:
-        with pytest.raises(ValidationError, match=r"65\.0 s long; this model hears at most 60 s") as refused:
-            served.generate([TranscriptionPrompt(long_clip()[0], "en")], GREEDY, use_tqdm=False)
-    finally:
-        transcription.max_clip_seconds = 3600.0
+    config = EngineConfig(model=str(whisper[0]), device="cpu", quantization="none", max_transcription_seconds=60.0,
+                          cache=CacheConfig(memory_bytes=64 * 1024**2))  # fmt: skip
+    with LLM(config=config) as llm, pytest.raises(ValidationError, match=r"65\.0 s long; this model hears at most "
+                                                  r"60 s") as refused:  # fmt: skip
+        llm.generate([TranscriptionPrompt(long_clip()[0], "en")], GREEDY, use_tqdm=False)
     assert refused.value.param == "input.transcription.audio"
+    with pytest.raises(ValueError, match="--max-transcription-seconds must be > 0"):
+        EngineConfig(model=str(whisper[0]), max_transcription_seconds=0.0)
 
 
 async def test_a_long_clip_over_grpc_generate_and_stream(whisper: tuple[Path, Any]) -> None:
