@@ -69,7 +69,7 @@ def joined_results(results: Sequence[GenerationResult], duration_seconds: float)
     (`separator` between), token ids and logprobs concatenated, prompt ids concatenated, usage summed (prompt,
     completion, cached, reasoning tokens), the finish reason "length" where any finished window ran out of tokens,
     else the last window's (None while it runs), the transcription info the first window's with the whole clip's
-    `duration_seconds`."""
+    `duration_seconds`, no prompt logprobs (None), the request id and timeline the first's and the last's."""
     from engine_server.frontend import Choice, GenerationResult, Usage
     from engine_server.output.types import FinishReason
 

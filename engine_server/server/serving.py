@@ -408,17 +408,18 @@ class ServingEngine:
         try:
             done: list[GenerationResult] = []
             for index, queue in enumerate(queues):
-                led = index == 0
+                led: set[int] = set()  # the choices whose text in this window has begun (window 0's need no joint)
                 while True:
                     item = await queue.get()
                     if isinstance(item, BaseException):
                         raise item
                     deltas = item.deltas
-                    if not led and deltas and deltas[0].text:
-                        text = joined_results(done, seconds).choices[0].text
-                        joint = separator(text, deltas[0].text)
-                        deltas = [dataclasses.replace(deltas[0], text=joint + deltas[0].text), *deltas[1:]]
-                        led = True
+                    if index and any(delta.text and delta.index not in led for delta in deltas):
+                        before = joined_results(done, seconds).choices
+                        deltas = [delta if not delta.text or delta.index in led else dataclasses.replace(
+                            delta, text=separator(before[delta.index].text, delta.text) + delta.text)
+                            for delta in deltas]  # fmt: skip
+                        led |= {delta.index for delta in deltas if delta.text}
                     last = item.finished and index == len(windows) - 1
                     yield StepUpdate(deltas, joined_results([*done, item.result], seconds), finished=last)
                     if item.finished:
