@@ -9,7 +9,8 @@ The prompt: `<|startofprev|>` and the previous text's tokens where a `Transcript
 one-token detection request (`detection`: `<|startoftranscript|>` alone, every token but the languages' suppressed:
 transformers' `detect_language`). Its outputs have generation_config's `suppress_tokens` suppressed throughout and its
 `begin_suppress_tokens` at the first (`SamplingParams.suppress_token_ids`, `begin_suppress_token_ids`), as `generate`
-does. Runs in the frontend, off the step loop.
+does. A clip longer than the encoder's window (30 s) is served as its windows (`WhisperTranscription.windows`,
+`clip_windows`), each a transcription of its own, up to `max_clip_seconds`. Runs in the frontend, off the step loop.
 """
 
 from __future__ import annotations
