@@ -1524,10 +1524,15 @@ class EngineConfig:
     # (scheduler, sampling, gRPC) and N-1 spawned workers; on the CPU the cores are shared out between the ranks.
     tensor_parallel_size: int = 1
     lora: LoraConfig | None = None  # None: no LoRA adapters (vLLM's --enable-lora off)
+    # Whisper: the longest clip a transcription may send, in seconds; one longer than the encoder's window (30 s) is
+    # served as its windows (`multimodal.clip_windows`), one longer than this refused with its length.
+    max_transcription_seconds: float = 3600.0
 
     def __post_init__(self) -> None:
         self.hf_override_values()
         self.chat_template_text()
+        if not self.max_transcription_seconds > 0:
+            raise ValueError(f"--max-transcription-seconds must be > 0, got {self.max_transcription_seconds}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.lora is not None and self.tensor_parallel_size > 1:

@@ -306,6 +306,13 @@ class InputProcessor:
         return (self.transcription is not None and not self.transcription.english_only
                 and isinstance(prompt, TranscriptionPrompt) and not prompt.language.strip())  # fmt: skip
 
+    def windows(self, prompt: Prompt) -> tuple[list[TranscriptionPrompt], float] | None:
+        """A transcription whose clip is longer than the encoder's window as its windows and the clip's seconds
+        (`WhisperTranscription.windows`: ValidationError over its cap); None for any other prompt."""
+        if self.transcription is None or not isinstance(prompt, TranscriptionPrompt):
+            return None
+        return self.transcription.windows(prompt)
+
     def detected(self, prompt: TranscriptionPrompt, language_token: int) -> TranscriptionPrompt:
         """`prompt` in the language of `language_token` (its `LanguageDetection`'s output)."""
         assert self.transcription is not None

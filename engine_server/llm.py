@@ -35,6 +35,7 @@ from engine_server.loader import ModelSource, resolve_model
 from engine_server.lora.peft_format import LoraAdapter
 from engine_server.lora.registry import AdapterRegistry, ServedAdapter
 from engine_server.multimodal.audio import served_audio
+from engine_server.multimodal.clip_windows import joined_results
 from engine_server.multimodal.processing import served_images
 from engine_server.multimodal.transcription import TranscriptionPrompt, served_transcription
 from engine_server.output import TokenTextCodec
@@ -113,7 +114,8 @@ class LLM:
         audio, audio_refusal = served_audio(source.config.multimodal, source.path, self.tokenizer)
         multimodal = source.config.multimodal
         transcription, transcription_refusal = served_transcription(
-            multimodal is not None and multimodal.transcribes, source.path, self.tokenizer
+            multimodal is not None and multimodal.transcribes, source.path, self.tokenizer,
+            config.max_transcription_seconds,
         )
         self.inputs = InputProcessor(
             self.tokenizer,
@@ -177,7 +179,12 @@ class LLM:
             raise UnsupportedByModelError(
                 "the model is an encoder: it embeds and scores (`embed`, `score`), not generates"
             )
-        batch = self._with_languages(_as_prompt_list(prompts))
+        batch = _as_prompt_list(prompts)
+        if any(isinstance(prompt, TranscriptionPrompt) for prompt in batch):
+            windowed = [self.inputs.windows(prompt) for prompt in batch]
+            if any(windows is not None for windows in windowed):
+                return self._generate_windows(batch, windowed, params, adapters, use_tqdm)
+        batch = self._with_languages(batch)
         if params is None:
             params = self.generation_defaults.sampling_params()
         per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(batch)
@@ -208,6 +215,46 @@ class LLM:
             trackers[request_id] = tracker
         self._run(pending, trackers, use_tqdm)
         return [tracker.result for tracker in trackers.values()]
+
+    def _generate_windows(
+        self,
+        batch: list[Prompt],
+        windowed: list[tuple[list[TranscriptionPrompt], float] | None],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        adapters: str | Sequence[str | None] | None,
+        use_tqdm: bool,
+    ) -> list[GenerationResult]:
+        """`generate` where some transcriptions' clips are longer than the encoder's window: each such clip's windows
+        (`InputProcessor.windows`) run as transcriptions of their own beside the other prompts, in one batch, with
+        its parameters and adapter, the language detected once on its first window where none is given and used for
+        all; their results joined in order (`clip_windows.joined_results`)."""
+        per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(batch)
+        if len(per_prompt) != len(batch):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts")
+        names = [adapters] * len(batch) if adapters is None or isinstance(adapters, str) else list(adapters)
+        if len(names) != len(batch):
+            raise ValueError(f"got {len(names)} adapters for {len(batch)} prompts")
+        long = {i: windows for i, windows in enumerate(windowed) if windows is not None}
+        detect = [i for i, windows in long.items() if self.inputs.needs_language(windows[0][0])]
+        firsts = self._with_languages([long[i][0][0] for i in detect])
+        for i, first in zip(detect, firsts, strict=True):
+            language = cast(TranscriptionPrompt, first).language
+            windowed[i] = [dataclasses.replace(window, language=language) for window in long[i][0]], long[i][1]
+        flat: list[Prompt] = []
+        flat_params: list[SamplingParams | None] = []
+        flat_names: list[str | None] = []
+        spans: list[tuple[int, int]] = []
+        for prompt, windows, sampling, name in zip(batch, windowed, per_prompt, names, strict=True):
+            parts: list[Prompt] = [prompt] if windows is None else list(windows[0])
+            spans.append((len(flat), len(flat) + len(parts)))
+            flat += parts
+            flat_params += [sampling] * len(parts)
+            flat_names += [name] * len(parts)
+        defaults = self.generation_defaults.sampling_params()
+        results = self.generate(flat, [defaults if p is None else p for p in flat_params], adapters=flat_names,
+                                use_tqdm=use_tqdm)  # fmt: skip
+        return [results[start] if windows is None else joined_results(results[start:end], windows[1])
+                for (start, end), windows in zip(spans, windowed, strict=True)]  # fmt: skip
 
     def _with_languages(self, batch: list[Prompt]) -> list[Prompt]:
         """`batch` with each transcription that names no language in the one its clip is detected to be in (one

@@ -40,6 +40,7 @@ def engine_command(args: argparse.Namespace, host: str, port: int) -> list[str]:
         "--host", host, "--port", str(port), "--shutdown-timeout", str(args.shutdown_timeout),
         "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
         "--max-cross-attention-images", str(args.max_cross_attention_images),
+        "--max-transcription-seconds", str(args.max_transcription_seconds),
         "--kv-cache-mib", str(args.kv_cache_mib), "--kv-cache-dtype", args.kv_cache_dtype,
         "--state-snapshots", "auto" if args.state_snapshots is None else str(args.state_snapshots),
         "--grammar-timeout", str(args.grammar_timeout),

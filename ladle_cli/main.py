@@ -144,6 +144,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--max-cross-attention-images", 8, "Llama 3.2 Vision: most images whose cross-attention K/V the "
          "running requests hold (~210 MB an image at 11B in bf16); a request past it waits, one alone always runs "
          "(0: no cap)", type=int)
+    _add(parser, "--max-transcription-seconds", 3600.0, "Whisper: the longest clip a transcription may send (one "
+         "over 30 s is transcribed in windows of at most 30 s cut at quiet points; a longer one is refused)",
+         type=float)
     _add(parser, "--kv-cache-mib", 2048, "KV cache memory in MiB", type=int)
     _add(parser, "--kv-cache-dtype", "auto", "what the KV cache stores: auto (the model's dtype) or fp8 (e4m3 with a "
          "float32 scale per token and KV head: about half a 16-bit cache's bytes, a quarter of float32's, so as many "
@@ -367,6 +370,7 @@ def _engine(args: argparse.Namespace) -> int:
             speculative=args.speculative_config,
             tensor_parallel_size=args.tensor_parallel_size,
             lora=lora,
+            max_transcription_seconds=args.max_transcription_seconds,
             cache=CacheConfig(
                 memory_bytes=args.kv_cache_mib * 1024**2,
                 dtype=args.kv_cache_dtype,

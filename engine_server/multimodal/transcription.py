@@ -9,11 +9,14 @@ The prompt: `<|startofprev|>` and the previous text's tokens where a `Transcript
 one-token detection request (`detection`: `<|startoftranscript|>` alone, every token but the languages' suppressed:
 transformers' `detect_language`). Its outputs have generation_config's `suppress_tokens` suppressed throughout and its
 `begin_suppress_tokens` at the first (`SamplingParams.suppress_token_ids`, `begin_suppress_token_ids`), as `generate`
-does. Runs in the frontend, off the step loop.
+does. A clip longer than the encoder's window (30 s) is served as its windows (`WhisperTranscription.windows`,
+`clip_windows`), each a transcription of its own, up to `max_clip_seconds`. Runs in the frontend, off the step loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,11 +24,13 @@ from typing import Any
 
 from engine_server.errors import ValidationError
 from engine_server.multimodal.audio import PromptAudio, decoded_clip
+from engine_server.multimodal.clip_windows import split_clip, window_wav
 from engine_server.multimodal.inputs import ImageSpan, MultimodalInputs, image_digest
 
 _PROCESSOR_CONFIG = "preprocessor_config.json"
 _GENERATION_CONFIG = "generation_config.json"
 _TASKS = ("transcribe", "translate")
+MAX_CLIP_SECONDS = 3600.0  # the longest clip served (in windows: `WhisperTranscription.windows`)
 
 
 @dataclass(frozen=True)
@@ -63,8 +68,11 @@ class WhisperTranscription:
     """The prompts of a Whisper checkpoint (its feature extractor, generation config and tokenizer). Thread-safe: it
     holds no state but their settings."""
 
-    def __init__(self, extractor: Any, generation: dict[str, Any], tokenizer: Any) -> None:
+    def __init__(
+        self, extractor: Any, generation: dict[str, Any], tokenizer: Any, max_clip_seconds: float = MAX_CLIP_SECONDS
+    ) -> None:
         self.extractor = extractor
+        self.max_clip_seconds = max_clip_seconds  # a longer clip is refused by name (`windows`)
         self.tokenizer = tokenizer
         self.sampling_rate = int(extractor.sampling_rate)
         self.max_seconds = float(extractor.n_samples) / self.sampling_rate  # the encoder's one window (30 s)
@@ -87,14 +95,16 @@ class WhisperTranscription:
         self.special_ids = frozenset(int(i) for i in tokenizer.all_special_ids) | frozenset(self.languages.values())
 
     @classmethod
-    def for_model(cls, folder: Path, tokenizer: Any) -> WhisperTranscription:
-        """The prompts of the checkpoint in `folder`."""
+    def for_model(
+        cls, folder: Path, tokenizer: Any, max_clip_seconds: float = MAX_CLIP_SECONDS
+    ) -> WhisperTranscription:
+        """The prompts of the checkpoint in `folder` (clips up to `max_clip_seconds`)."""
         from transformers import WhisperFeatureExtractor
 
         extractor = WhisperFeatureExtractor.from_pretrained(str(folder))
         path = folder / _GENERATION_CONFIG
         generation = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-        return cls(extractor, generation, tokenizer)
+        return cls(extractor, generation, tokenizer, max_clip_seconds)
 
     def language_code(self, language: str) -> str:
         """The ISO code of `language` (a code, `<|code|>`, or a name transformers knows: `TO_LANGUAGE_CODE`);
@@ -131,6 +141,26 @@ class WhisperTranscription:
             ids = [*self._previous_text(prompt.prompt), self.start, self.languages[f"<|{language}|>"],
                    self.tasks[prompt.task], self.no_timestamps]  # fmt: skip
         return PreparedTranscription(ids, clip, info, self.suppress, self.begin_suppress)
+
+    def windows(self, prompt: TranscriptionPrompt) -> tuple[list[TranscriptionPrompt], float] | None:
+        """None where `prompt`'s clip fits the encoder's window (`max_seconds`: it runs as it is, `prepare`), or is no
+        audio (refused by `prepare`); else its windows (`clip_windows.split_clip` on the clip decoded once at the
+        model's rate, each a float32 WAV of its own: its own digest) as transcriptions of their own with `prompt`'s
+        language, task and previous text, and the whole clip's seconds. ValidationError for a clip longer than
+        `max_clip_seconds` (named with its length)."""
+        import soundfile
+
+        try:
+            info = soundfile.info(io.BytesIO(prompt.audio))
+        except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError):
+            return None
+        if not info.samplerate or info.frames / info.samplerate <= self.max_seconds:
+            return None
+        samples, seconds = decoded_clip(PromptAudio(prompt.audio, "input.transcription.audio"), self.sampling_rate,
+                                        self.max_clip_seconds)  # fmt: skip
+        cuts = split_clip(samples, self.sampling_rate, self.max_seconds)
+        return [dataclasses.replace(prompt, audio=window_wav(samples[start:end], self.sampling_rate))
+                for start, end in cuts], seconds  # fmt: skip
 
     def detection(self, prompt: TranscriptionPrompt, vocab_size: int) -> PreparedTranscription:
         """The one-token request that detects `prompt`'s language: `<|startoftranscript|>` alone, every token of the
@@ -187,11 +217,12 @@ def transcription_refusal(transcribes: bool, folder: Path) -> str:
 
 
 def served_transcription(
-    transcribes: bool, folder: Path, tokenizer: Any
+    transcribes: bool, folder: Path, tokenizer: Any, max_clip_seconds: float = MAX_CLIP_SECONDS
 ) -> tuple[WhisperTranscription | None, str]:
-    """The prompts of the model in `folder` where it transcribes (`MultimodalCheckpoint.transcribes`), and the refusal
-    of a transcription where it does not (`transcription_refusal`)."""
+    """The prompts of the model in `folder` where it transcribes (`MultimodalCheckpoint.transcribes`; clips up to
+    `max_clip_seconds`: `EngineConfig.max_transcription_seconds`), and the refusal of a transcription where it does not
+    (`transcription_refusal`)."""
     refusal = transcription_refusal(transcribes, folder)
     if refusal:
         return None, refusal
-    return WhisperTranscription.for_model(folder, tokenizer), ""
+    return WhisperTranscription.for_model(folder, tokenizer, max_clip_seconds), ""

@@ -49,6 +49,7 @@ from engine_server.loader import resolve_model
 from engine_server.lora.peft_format import LoraAdapter
 from engine_server.lora.registry import AdapterRegistry, ServedAdapter
 from engine_server.multimodal.audio import AudioProcessing, served_audio
+from engine_server.multimodal.clip_windows import joined_results, separator
 from engine_server.multimodal.processing import ImageProcessing, served_images
 from engine_server.multimodal.transcription import (
     TranscriptionPrompt,
@@ -256,7 +257,8 @@ class ServingEngine:
         images = served_images(source.config.multimodal, source.path, tokenizer, max_step, config.tensor_parallel_size)
         audio = served_audio(source.config.multimodal, source.path, tokenizer)
         multimodal = source.config.multimodal
-        transcription = served_transcription(multimodal is not None and multimodal.transcribes, source.path, tokenizer)
+        transcription = served_transcription(multimodal is not None and multimodal.transcribes, source.path, tokenizer,
+                                             config.max_transcription_seconds)  # fmt: skip
         return cls(
             core, tokenizer, source.name, eos, loop, grammar_config, generation_defaults=defaults, pooling=pooling,
             images=images, audio=audio, transcription=transcription,
@@ -341,6 +343,13 @@ class ServingEngine:
         """
         if self.info.pooling.encoder:
             raise UnsupportedByModelError(ENCODER_GENERATES)
+        if isinstance(request.prompt, TranscriptionPrompt):
+            windowed = await self._off_loop(self.inputs.windows, request.prompt)
+            if windowed is not None:
+                async with contextlib.aclosing(self._generate_windows(request, windowed, deadline, whole, wait)) as up:
+                    async for update in up:
+                        yield update
+                return
         if self.inputs.needs_language(request.prompt):  # a transcription without a language: detected first
             request = await self._with_language(request, deadline)
         # Templating, tokenizing and building a forced tool_choice's grammar text run on the tokenizer thread.
@@ -370,6 +379,63 @@ class ServingEngine:
                 deltas = self._apply(tracker, await stream.next(), unfinished)
                 if deltas:
                     yield StepUpdate(deltas, tracker.result, finished=not unfinished)
+
+    async def _generate_windows(
+        self,
+        request: GenerationInput,
+        windowed: tuple[list[TranscriptionPrompt], float],
+        deadline: float | None,
+        whole: bool,
+        wait: bool,
+    ) -> AsyncGenerator[StepUpdate, None]:
+        """`generate` for a transcription whose clip is longer than the encoder's window: its windows
+        (`InputProcessor.windows`) run concurrently as requests of their own (the scheduler batches them) under the
+        same deadline and priority, the language detected once on the first window where none is given; window 0's
+        updates are yielded as they come, then window 1's (buffered meanwhile), and so on, each update's result the
+        join so far (`clip_windows.joined_results`: finished windows and the running one) and its deltas the
+        window's (the first of a later window led by `clip_windows.separator`), `finished` on the last window's last.
+        Closing early, an error or the deadline in any window aborts every window."""
+        windows, seconds = windowed
+        if self.inputs.needs_language(windows[0]):
+            first = await self._with_language(dataclasses.replace(request, prompt=windows[0]), deadline)
+            language = cast(TranscriptionPrompt, first.prompt).language
+            windows = [dataclasses.replace(window, language=language) for window in windows]
+        queues: list[asyncio.Queue[StepUpdate | BaseException]] = [asyncio.Queue() for _ in windows]
+
+        async def run(index: int) -> None:
+            part = dataclasses.replace(request, prompt=windows[index])
+            try:
+                async with contextlib.aclosing(self.generate(part, deadline, whole, wait)) as updates:
+                    async for update in updates:
+                        queues[index].put_nowait(update)
+            except Exception as error:  # handed to the caller, in window order
+                queues[index].put_nowait(error)
+
+        tasks = [asyncio.create_task(run(index)) for index in range(len(windows))]
+        try:
+            done: list[GenerationResult] = []
+            for index, queue in enumerate(queues):
+                led: set[int] = set()  # the choices whose text in this window has begun (window 0's need no joint)
+                while True:
+                    item = await queue.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    deltas = item.deltas
+                    if index and any(delta.text and delta.index not in led for delta in deltas):
+                        before = joined_results(done, seconds).choices
+                        deltas = [delta if not delta.text or delta.index in led else dataclasses.replace(
+                            delta, text=separator(before[delta.index].text, delta.text) + delta.text)
+                            for delta in deltas]  # fmt: skip
+                        led |= {delta.index for delta in deltas if delta.text}
+                    last = item.finished and index == len(windows) - 1
+                    yield StepUpdate(deltas, joined_results([*done, item.result], seconds), finished=last)
+                    if item.finished:
+                        done.append(item.result)
+                        break
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _with_language(self, request: GenerationInput, deadline: float | None) -> GenerationInput:
         """`request` (a transcription naming no language) in the language its clip is detected to be in: one greedy

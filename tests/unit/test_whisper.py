@@ -12,6 +12,7 @@ The int8 default runs and gives each clip the same tokens alone as batched. What
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -281,8 +282,6 @@ def test_int8_runs_batch_invariant(whisper: tuple[Path, Any]) -> None:
 @pytest.mark.parametrize(
     ("prompt", "message", "param"),
     [
-        (TranscriptionPrompt(clip(7, 31.0, 8_000), "en"), "31.0 s long; this model hears at most 30 s",
-         "input.transcription.audio"),
         (TranscriptionPrompt(b"not audio", "en"), "cannot be read", "input.transcription.audio"),
         (TranscriptionPrompt(clip(8, 1.0), "klingon"), "language 'klingon' is not one this model knows",
          "input.transcription.language"),
@@ -404,3 +403,187 @@ async def test_generate_and_stream_over_grpc_detect_the_language_and_report_it(w
     assert not any(m.HasField("transcription") for m in messages[1:])
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "send an Input.transcription" in str(refused.value.details())
+
+
+# A clip of 65 s (16 kHz noise and tones) with silent gaps inside the last second before each 30 s boundary: three
+# windows, cut in the middle of each gap's whole 0.1 s frame (29.45 s, 58.8 s: `test_clip_windows`).
+LONG_CUTS = (0, 471_200, 940_800, 1_040_000)
+
+
+def long_clip() -> tuple[bytes, Any]:
+    """The 65 s clip as a 16 kHz float WAV, and its samples."""
+    from engine_server.multimodal.clip_windows import window_wav
+
+    samples = heard(clip(11, 65.0))
+    for start, end in ((29.4, 29.6), (58.7, 58.9)):
+        samples[round(start * 16_000):round(end * 16_000)] = 0.0
+    return window_wav(samples, 16_000), samples
+
+
+def long_windows(whisper: tuple[Path, Any], prompt: TranscriptionPrompt) -> tuple[list[TranscriptionPrompt], Any]:
+    """The long clip's windows as cut at its gaps (`LONG_CUTS`) as prompts of their own (`prompt`'s language, or the
+    one transformers detects on the first window; its task and previous text on each), and transformers' prompt
+    ids and tokens for each."""
+    from engine_server.multimodal.clip_windows import window_wav
+
+    folder, model = whisper
+    samples = heard(prompt.audio)
+    windows = [dataclasses.replace(prompt, audio=window_wav(samples[a:b], 16_000))
+               for a, b in itertools.pairwise(LONG_CUTS)]  # fmt: skip
+    first = reference(folder, model, windows[0])
+    codes = {token: key[2:-2] for key, token in model.generation_config.lang_to_id.items()}
+    language = prompt.language or codes[first[0][len(first[0]) - 3]]
+    windows = [dataclasses.replace(window, language=language) for window in windows]
+    return windows, [first, *(reference(folder, model, window) for window in windows[1:])]
+
+
+def test_a_long_clip_is_served_as_its_windows(whisper: tuple[Path, Any], served: LLM) -> None:
+    """A 65 s clip (language detected on its first window, a previous text) through LLM.generate beside a short
+    clip: its three windows, cut at the quiet gaps, each get transformers' prompt (the previous text on each, the
+    first window's language) and tokens on that window's samples; the result joins them (text, tokens, prompts,
+    usage summed) with the whole clip's seconds; the short clip's tokens are as alone."""
+    from engine_server.multimodal.clip_windows import joined_results
+
+    audio, _ = long_clip()
+    prompt = TranscriptionPrompt(audio, prompt=PREVIOUS)
+    windows, expected = long_windows(whisper, prompt)
+    short = CASES["transcribe"]()
+    transcription = served.inputs.transcription
+    assert transcription is not None
+    detections: list[bytes] = []
+    detection = transcription.detection
+
+    def spy(prompt: TranscriptionPrompt, vocab_size: int) -> Any:
+        detections.append(prompt.audio)
+        return detection(prompt, vocab_size)
+
+    transcription.detection = spy  # type: ignore[method-assign]
+    try:
+        joined, beside = served.generate([prompt, short], GREEDY, use_tqdm=False)
+    finally:
+        transcription.detection = detection  # type: ignore[method-assign]
+    assert detections == [windows[0].audio]  # (detected once, on the first window)
+    alone = served.generate(windows, GREEDY, use_tqdm=False)
+    assert [result.prompt_token_ids for result in alone] == [ids for ids, _ in expected]
+    assert [result.choices[0].token_ids for result in alone] == [tokens for _, tokens in expected]
+    assert joined.prompt_token_ids == [t for ids, _ in expected for t in ids]
+    assert joined.choices[0].token_ids == [t for _, tokens in expected for t in tokens]
+    assert joined.choices[0].text == joined_results(alone, 65.0).choices[0].text == joined_text(whisper[0], expected)
+    assert joined.choices[0].text.startswith(alone[0].choices[0].text)
+    assert (joined.usage.prompt_tokens, joined.usage.completion_tokens) == (
+        sum(len(ids) for ids, _ in expected), 3 * NEW_TOKENS)
+    assert joined.choices[0].finish_reason == "length"
+    assert joined.transcription is not None and round(joined.transcription.duration_seconds, 3) == 65.0
+    assert joined.transcription.language == windows[0].language
+    assert beside.choices[0].token_ids == served.generate([short], GREEDY, use_tqdm=False)[0].choices[0].token_ids
+
+
+def test_a_clip_over_the_cap_is_refused_by_name(whisper: tuple[Path, Any], served: LLM) -> None:
+    """A clip longer than the cap (`EngineConfig.max_transcription_seconds`, an hour by default; 60 s here) is refused
+    with its length; a cap of 0 is refused at the start."""
+    transcription = served.inputs.transcription
+    assert transcription is not None and transcription.max_clip_seconds == 3600.0
+    config = EngineConfig(model=str(whisper[0]), device="cpu", quantization="none", max_transcription_seconds=60.0,
+                          cache=CacheConfig(memory_bytes=64 * 1024**2))  # fmt: skip
+    with LLM(config=config) as llm, pytest.raises(ValidationError, match=r"65\.0 s long; this model hears at most "
+                                                  r"60 s") as refused:  # fmt: skip
+        llm.generate([TranscriptionPrompt(long_clip()[0], "en")], GREEDY, use_tqdm=False)
+    assert refused.value.param == "input.transcription.audio"
+    with pytest.raises(ValueError, match="--max-transcription-seconds must be > 0"):
+        EngineConfig(model=str(whisper[0]), max_transcription_seconds=0.0)
+
+
+async def test_a_long_clip_over_grpc_generate_and_stream(whisper: tuple[Path, Any]) -> None:
+    """The 65 s clip over the servicer: Generate (language detected on the first window) answers the windows'
+    transformers tokens joined, their usage summed and the whole clip's seconds; Stream (German, a previous text)
+    streams window 0's tokens, then window 1's, then window 2's, their texts joined as the whole text."""
+    import asyncio
+
+    import grpc
+
+    from engine_server.server.servicer import EngineServicer
+    from engine_server.server.serving import ServingEngine
+    from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
+
+    folder, _ = whisper
+    audio, _ = long_clip()
+    detected = TranscriptionPrompt(audio)
+    german = TranscriptionPrompt(audio, "de", prompt=PREVIOUS)
+    detected_windows, detected_expected = long_windows(whisper, detected)
+    _, german_expected = long_windows(whisper, german)
+    config = EngineConfig(model=str(folder), device="cpu", quantization="none",
+                          cache=CacheConfig(memory_bytes=64 * 1024**2))  # fmt: skip
+    engine = await asyncio.to_thread(ServingEngine.load, config, asyncio.get_running_loop())
+    servicer = EngineServicer()
+    servicer.attach(engine)
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    sampling = types_pb2.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+
+    def transcription(prompt: TranscriptionPrompt) -> types_pb2.Input:
+        return types_pb2.Input(transcription=types_pb2.Transcription(
+            audio=types_pb2.Audio(data=prompt.audio), language=prompt.language, prompt=prompt.prompt))  # fmt: skip
+
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = engine_pb2_grpc.EngineServiceStub(channel)
+            whole = await stub.Generate(engine_pb2.GenerateRequest(input=transcription(detected), sampling=sampling),
+                                        timeout=120)  # fmt: skip
+            messages = [message async for message in stub.Stream(engine_pb2.StreamRequest(
+                input=transcription(german), sampling=sampling), timeout=120)]  # fmt: skip
+        aborted = await cancelled_after_the_first_update(engine, TranscriptionPrompt(audio, "en"))
+    finally:
+        await server.stop(None)
+        await engine.close()
+    assert list(whole.choices[0].token_ids) == [t for _, tokens in detected_expected for t in tokens]
+    assert whole.usage.prompt_tokens == sum(len(ids) for ids, _ in detected_expected)
+    assert whole.usage.completion_tokens == 3 * NEW_TOKENS
+    assert whole.transcription.language == detected_windows[0].language
+    assert round(whole.transcription.duration_seconds, 3) == 65.0
+    assert [t for m in messages for c in m.choices for t in c.token_ids] == [
+        t for _, tokens in german_expected for t in tokens]
+    assert messages[0].transcription.language == "de" and round(messages[0].transcription.duration_seconds) == 65
+    assert "".join(c.text for m in messages for c in m.choices) == joined_text(folder, german_expected)
+    assert whole.choices[0].text == joined_text(folder, detected_expected)
+    assert len({core_id.rpartition("/")[0] for core_id in aborted}) == 3  # (closing early aborts every window)
+
+
+async def cancelled_after_the_first_update(engine: Any, prompt: TranscriptionPrompt) -> list[str]:
+    """The core ids `engine` aborts when a long clip's generate (windows running long: ignore_eos) is closed after
+    its first update."""
+    import contextlib
+
+    from engine_server.server.serving import GenerationInput
+
+    aborted: list[str] = []
+    abort = engine.loop.abort
+
+    def spy(ids: list[str]) -> None:
+        aborted.extend(ids)
+        abort(ids)
+
+    engine.loop.abort = spy
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    async with contextlib.aclosing(engine.generate(GenerationInput("c", prompt, params))) as updates:
+        async for update in updates:
+            assert not update.finished
+            break
+    engine.loop.abort = abort
+    return aborted
+
+
+def joined_text(folder: Path, expected: list[tuple[list[int], list[int]]]) -> str:
+    """The windows' texts (their tokens decoded, special tokens skipped) joined as `clip_windows.separator` joins
+    them (a space where neither side has one)."""
+    from transformers import AutoTokenizer
+
+    from engine_server.multimodal.clip_windows import separator
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = ""
+    for _, tokens in expected:
+        part = tokenizer.decode(tokens, skip_special_tokens=True)
+        text += separator(text, part) + part
+    return text
