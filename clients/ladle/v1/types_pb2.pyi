@@ -196,8 +196,12 @@ class Transcription(_message.Message):
     """
     @_builtins.property
     def audio(self) -> Global___Audio:
-        """The clip (Audio.data: WAV, FLAC, OGG or MP3). At most the model's window (Whisper: 30 s); longer clips are
-        refused (INVALID_ARGUMENT) naming their length.
+        """The clip (Audio.data: WAV, FLAC, OGG or MP3). A clip longer than the model's window (Whisper: 30 s) is
+        transcribed in windows of at most 30 s, each cut at the quietest 0.1 s frame of the second before its 30 s
+        boundary, run together with this message's language, task and prompt each (the language detected once, on the
+        first window, where none is given), their texts, tokens and usage joined in order; TranscriptionInfo's duration
+        is the whole clip's. A clip longer than the engine's --max-transcription-seconds (3600) is refused
+        (INVALID_ARGUMENT) naming its length.
         """
 
     def __init__(
