@@ -17,6 +17,7 @@ from python_multipart.multipart import MultipartParseError, MultipartParser, par
 from starlette.requests import ClientDisconnect, Request
 
 from gateway.errors import APIError, invalid
+from gateway.multipart import PartReader
 
 MAX_FIELD_BYTES = 64 * 1024  # a prompt of Whisper's 224 tokens is about 1 KiB; this leaves room for any language
 MAX_FIELDS = 64
@@ -57,59 +58,27 @@ def file_too_large(max_bytes: int) -> APIError:
                     param="file", code="file_too_large")
 
 
-class _FormReader:
-    """Callbacks for MultipartParser that route each part to the file or to a field."""
+class _FormReader(PartReader):
+    """Each part of an audio form to the file or to a field."""
 
     def __init__(self, form: AudioForm, max_audio_bytes: int) -> None:
+        super().__init__()
         self.form = form
         self.max_audio_bytes = max_audio_bytes
-        self._header_name = b""
-        self._header_value = b""
-        self._disposition = b""
-        self._part: str | None = None  # "file", a field name, or None for a part to skip
-        self._buffer = bytearray()
         self._fields = 0
 
-    def callbacks(self) -> dict[str, object]:
-        return {
-            "on_part_begin": self._part_begin,
-            "on_header_field": lambda data, start, end: self._append_header(data[start:end], True),
-            "on_header_value": lambda data, start, end: self._append_header(data[start:end], False),
-            "on_header_end": self._header_end,
-            "on_headers_finished": self._headers_finished,
-            "on_part_data": self._part_data,
-            "on_part_end": self._part_end,
-        }
-
-    def _part_begin(self) -> None:
-        self._disposition = b""
-        self._part = None
-        self._buffer.clear()
-
-    def _append_header(self, data: bytes, is_name: bool) -> None:
-        if is_name:
-            self._header_name += data
-        else:
-            self._header_value += data
-
-    def _header_end(self) -> None:
-        if self._header_name.strip().lower() == b"content-disposition":
-            self._disposition = self._header_value
-        self._header_name = self._header_value = b""
-
-    def _headers_finished(self) -> None:
-        _, params = parse_options_header(self._disposition)
-        name = params.get(b"name", b"").decode("utf-8", "replace")
+    def part_named(self, name: str, params: dict[bytes, bytes]) -> str | None:
         if name == "file":
             if self.form.file is not None:
                 raise invalid("send one `file` part", "file")
             self.form.file = b""
-            self._part = "file"
-        elif name:
-            self._fields += 1
-            if self._fields > MAX_FIELDS:
-                raise invalid(f"the form has more than {MAX_FIELDS} fields")
-            self._part = name.removesuffix("[]")
+            return "file"
+        if not name:
+            return None
+        self._fields += 1
+        if self._fields > MAX_FIELDS:
+            raise invalid(f"the form has more than {MAX_FIELDS} fields")
+        return name.removesuffix("[]")
 
     def _part_data(self, data: bytes, start: int, end: int) -> None:
         if self._part is None:

@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from gateway.disk import UploadQuota
 from gateway.errors import APIError, invalid
+from gateway.multipart import PartReader
 from gateway.store.blobs import BlobStore
 
 MAX_FIELD_BYTES = 4096
@@ -54,57 +55,23 @@ def safe_filename(name: str) -> str:
     return cleaned[:255] if cleaned.strip(".") else "upload"
 
 
-class _FormReader:
-    """Callbacks for MultipartParser that route each part to the file or to a field."""
+class _FormReader(PartReader):
+    """Each part of an upload's form to the file or to a field."""
 
     def __init__(self, upload: Upload, out: BinaryIO, max_bytes: int, quota: UploadQuota | None = None) -> None:
+        super().__init__()
         self.upload = upload
         self.out = out
         self.max_bytes = max_bytes
         self.quota = quota
-        self._header_name = b""
-        self._header_value = b""
-        self._disposition = b""
-        self._part: str | None = None  # "file", a field name, or None for a part to skip
-        self._buffer = bytearray()
 
-    def callbacks(self) -> dict[str, object]:
-        return {
-            "on_part_begin": self._part_begin,
-            "on_header_field": lambda data, start, end: self._append_header(data[start:end], True),
-            "on_header_value": lambda data, start, end: self._append_header(data[start:end], False),
-            "on_header_end": self._header_end,
-            "on_headers_finished": self._headers_finished,
-            "on_part_data": self._part_data,
-            "on_part_end": self._part_end,
-        }
-
-    def _part_begin(self) -> None:
-        self._disposition = b""
-        self._part = None
-        self._buffer.clear()
-
-    def _append_header(self, data: bytes, is_name: bool) -> None:
-        if is_name:
-            self._header_name += data
-        else:
-            self._header_value += data
-
-    def _header_end(self) -> None:
-        if self._header_name.strip().lower() == b"content-disposition":
-            self._disposition = self._header_value
-        self._header_name = self._header_value = b""
-
-    def _headers_finished(self) -> None:
-        _, params = parse_options_header(self._disposition)
-        name = params.get(b"name", b"").decode("utf-8", "replace")
+    def part_named(self, name: str, params: dict[bytes, bytes]) -> str | None:
         if name == "file":
             if self.upload.filename is not None:
                 raise invalid("send one `file` part", "file")
             self.upload.filename = safe_filename(params.get(b"filename", b"").decode("utf-8", "replace"))
-            self._part = "file"
-        elif name and len(self.upload.fields) < MAX_FIELDS:
-            self._part = name
+            return "file"
+        return name if name and len(self.upload.fields) < MAX_FIELDS else None
 
     def _part_data(self, data: bytes, start: int, end: int) -> None:
         if self._part == "file":
