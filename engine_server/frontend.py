@@ -622,3 +622,39 @@ def _unicode(text: str, param: str) -> str:
         raise ValidationError(f"{param} holds text that is not valid Unicode (a lone surrogate at character "
                               f"{exc.start})", param) from None
     return text
+
+
+def window_separator(before: str, after: str) -> str:
+    """What joins two windows' texts: "" where either side already has whitespace there (Whisper's texts start with
+    a space) or one is empty, else one space, so that words do not run together."""
+    if not before or not after or before[-1].isspace() or after[0].isspace():
+        return ""
+    return " "
+
+
+def joined_results(results: Sequence[GenerationResult], duration_seconds: float) -> GenerationResult:
+    """One result of a long clip's windows' `results` (`multimodal.clip_windows`; in order, one choice each): each
+    choice's text concatenated (`window_separator` between), token ids and logprobs concatenated, prompt ids
+    concatenated, usage summed (prompt, completion, cached, reasoning tokens), the finish reason "length" where any
+    finished window ran out of tokens, else the last window's (None while it runs), the transcription info the first
+    window's with the whole clip's `duration_seconds`, no prompt logprobs (None), the request id and timeline the
+    first's and the last's."""
+    first = results[0]
+    choices: list[Choice] = []
+    for index, parts in enumerate(zip(*(result.choices for result in results), strict=True)):
+        text = ""
+        for part in parts:
+            text += window_separator(text, part.text) + part.text
+        logprobs = None if any(p.logprobs is None for p in parts) else [t for p in parts for t in p.logprobs or []]
+        reason = parts[-1].finish_reason
+        if reason is not None and any(p.finish_reason == FinishReason.LENGTH for p in parts):
+            reason = FinishReason.LENGTH
+        choices.append(Choice(index, text, [t for p in parts for t in p.token_ids], reason, parts[-1].matched_stop,
+                              logprobs))  # fmt: skip
+    usage = Usage(sum(r.usage.prompt_tokens for r in results), sum(r.usage.completion_tokens for r in results),
+                  sum(r.usage.cached_prompt_tokens for r in results), sum(r.usage.reasoning_tokens for r in results))
+    info = first.transcription
+    if info is not None:
+        info = dataclasses.replace(info, duration_seconds=duration_seconds)
+    return GenerationResult(first.request_id, [t for r in results for t in r.prompt_token_ids], choices, usage,
+                            results[-1].timeline, None, info)  # fmt: skip

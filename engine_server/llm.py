@@ -23,6 +23,7 @@ from engine_server.frontend import (
     LanguageDetection,
     Prompt,
     RequestTracker,
+    joined_results,
     split_core_request_id,
 )
 from engine_server.generation_defaults import (
@@ -35,7 +36,6 @@ from engine_server.loader import ModelSource, resolve_model
 from engine_server.lora.peft_format import LoraAdapter
 from engine_server.lora.registry import AdapterRegistry, ServedAdapter
 from engine_server.multimodal.audio import served_audio
-from engine_server.multimodal.clip_windows import joined_results
 from engine_server.multimodal.processing import served_images
 from engine_server.multimodal.transcription import TranscriptionPrompt, served_transcription
 from engine_server.output import TokenTextCodec
@@ -227,7 +227,7 @@ class LLM:
         """`generate` where some transcriptions' clips are longer than the encoder's window: each such clip's windows
         (`InputProcessor.windows`) run as transcriptions of their own beside the other prompts, in one batch, with
         its parameters and adapter, the language detected once on its first window where none is given and used for
-        all; their results joined in order (`clip_windows.joined_results`)."""
+        all; their results joined in order (`frontend.joined_results`)."""
         per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(batch)
         if len(per_prompt) != len(batch):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts")

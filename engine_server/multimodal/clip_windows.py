@@ -1,5 +1,5 @@
 """A long clip cut into the windows Whisper's encoder hears (`split_clip`), each re-encoded as a WAV file
-(`window_wav`), and the windows' results joined into the clip's (`joined_results`).
+(`window_wav`); the windows' results are joined into the clip's by `frontend.joined_results`.
 
 A window ends at the quietest frame (`FRAME_SECONDS` = 0.1 s, the lowest RMS energy) among the frames of the last
 `SEARCH_SECONDS` (1 s) before its nominal end (its start plus the model's window, 30 s); the cut falls in that frame's
@@ -9,15 +9,10 @@ most `window`. The windows cover every sample exactly once, in order. Pure: no m
 
 from __future__ import annotations
 
-import dataclasses
 import struct
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from engine_server.frontend import GenerationResult
 
 FRAME_SECONDS = 0.1  # the frame whose RMS energy is compared
 SEARCH_SECONDS = 1.0  # the span before a window's nominal end searched for its quietest frame
@@ -54,41 +49,3 @@ def window_wav(samples: np.ndarray[Any, Any], rate: int) -> bytes:
     fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
     return b"".join([b"RIFF", struct.pack("<I", 4 + 8 + len(fmt) + 8 + len(data)), b"WAVE", b"fmt ",
                      struct.pack("<I", len(fmt)), fmt, b"data", struct.pack("<I", len(data)), data])  # fmt: skip
-
-
-def separator(before: str, after: str) -> str:
-    """What joins two windows' texts: "" where either side already has whitespace there (Whisper's texts start with
-    a space) or one is empty, else one space, so that words do not run together."""
-    if not before or not after or before[-1].isspace() or after[0].isspace():
-        return ""
-    return " "
-
-
-def joined_results(results: Sequence[GenerationResult], duration_seconds: float) -> GenerationResult:
-    """One result of the windows' `results` (in order, one choice each): each choice's text concatenated
-    (`separator` between), token ids and logprobs concatenated, prompt ids concatenated, usage summed (prompt,
-    completion, cached, reasoning tokens), the finish reason "length" where any finished window ran out of tokens,
-    else the last window's (None while it runs), the transcription info the first window's with the whole clip's
-    `duration_seconds`, no prompt logprobs (None), the request id and timeline the first's and the last's."""
-    from engine_server.frontend import Choice, GenerationResult, Usage
-    from engine_server.output.types import FinishReason
-
-    first = results[0]
-    choices: list[Choice] = []
-    for index, parts in enumerate(zip(*(result.choices for result in results), strict=True)):
-        text = ""
-        for part in parts:
-            text += separator(text, part.text) + part.text
-        logprobs = None if any(p.logprobs is None for p in parts) else [t for p in parts for t in p.logprobs or []]
-        reason = parts[-1].finish_reason
-        if reason is not None and any(p.finish_reason == FinishReason.LENGTH for p in parts):
-            reason = FinishReason.LENGTH
-        choices.append(Choice(index, text, [t for p in parts for t in p.token_ids], reason, parts[-1].matched_stop,
-                              logprobs))  # fmt: skip
-    usage = Usage(sum(r.usage.prompt_tokens for r in results), sum(r.usage.completion_tokens for r in results),
-                  sum(r.usage.cached_prompt_tokens for r in results), sum(r.usage.reasoning_tokens for r in results))
-    info = first.transcription
-    if info is not None:
-        info = dataclasses.replace(info, duration_seconds=duration_seconds)
-    return GenerationResult(first.request_id, [t for r in results for t in r.prompt_token_ids], choices, usage,
-                            results[-1].timeline, None, info)  # fmt: skip

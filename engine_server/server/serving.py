@@ -41,7 +41,9 @@ from engine_server.frontend import (
     PreparedPrompt,
     Prompt,
     RequestTracker,
+    joined_results,
     split_core_request_id,
+    window_separator,
 )
 from engine_server.generation_defaults import GenerationDefaults
 from engine_server.llm import engine_eos_ids, engine_generation_defaults
@@ -49,7 +51,6 @@ from engine_server.loader import resolve_model
 from engine_server.lora.peft_format import LoraAdapter
 from engine_server.lora.registry import AdapterRegistry, ServedAdapter
 from engine_server.multimodal.audio import AudioProcessing, served_audio
-from engine_server.multimodal.clip_windows import joined_results, separator
 from engine_server.multimodal.processing import ImageProcessing, served_images
 from engine_server.multimodal.transcription import (
     TranscriptionPrompt,
@@ -392,8 +393,8 @@ class ServingEngine:
         (`InputProcessor.windows`) run concurrently as requests of their own (the scheduler batches them) under the
         same deadline and priority, the language detected once on the first window where none is given; window 0's
         updates are yielded as they come, then window 1's (buffered meanwhile), and so on, each update's result the
-        join so far (`clip_windows.joined_results`: finished windows and the running one) and its deltas the
-        window's (the first of a later window led by `clip_windows.separator`), `finished` on the last window's last.
+        join so far (`frontend.joined_results`: finished windows and the running one) and its deltas the
+        window's (the first of a later window led by `frontend.window_separator`), `finished` on the last window's last.
         Closing early, an error or the deadline in any window aborts every window."""
         windows, seconds = windowed
         if self.inputs.needs_language(windows[0]):
@@ -424,7 +425,7 @@ class ServingEngine:
                     if index and any(delta.text and delta.index not in led for delta in deltas):
                         before = joined_results(done, seconds).choices
                         deltas = [delta if not delta.text or delta.index in led else dataclasses.replace(
-                            delta, text=separator(before[delta.index].text, delta.text) + delta.text)
+                            delta, text=window_separator(before[delta.index].text, delta.text) + delta.text)
                             for delta in deltas]  # fmt: skip
                         led |= {delta.index for delta in deltas if delta.text}
                     last = item.finished and index == len(windows) - 1

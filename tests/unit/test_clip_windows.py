@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine_server.frontend import Choice, GenerationResult, Usage
-from engine_server.multimodal.clip_windows import joined_results, separator, split_clip, window_wav
+from engine_server.frontend import Choice, GenerationResult, Usage, joined_results, window_separator
+from engine_server.multimodal.clip_windows import split_clip, window_wav
 from engine_server.multimodal.transcription import TranscriptionInfo
 from engine_server.output.types import FinishReason
 
@@ -85,4 +85,5 @@ def test_joined_results() -> None:
     assert joined.choices[0].finish_reason == FinishReason.LENGTH
     assert joined.transcription == TranscriptionInfo("de", 32.5)
     assert joined_results(parts[1:], 3.0).choices[0].finish_reason == FinishReason.STOP
-    assert (separator("a", "b"), separator("a ", "b"), separator("a", " b"), separator("", "b")) == (" ", "", "", "")
+    assert (window_separator("a", "b"), window_separator("a ", "b"), window_separator("a", " b"),
+            window_separator("", "b")) == (" ", "", "", "")

@@ -367,8 +367,10 @@ async def test_generate_and_stream_over_grpc_detect_the_language_and_report_it(w
 
     folder, model = whisper
     detected, translated = CASES["detected"](), CASES["translate"]()
+    # One sequence at a time: when the caller closes after window 0's first update, windows 1 and 2 are still waiting
+    # however slowly the test's event loop runs (running beside it, they could finish first on a loaded machine).
     config = EngineConfig(model=str(folder), device="cpu", quantization="none",
-                          cache=CacheConfig(memory_bytes=64 * 1024**2))  # fmt: skip
+                          cache=CacheConfig(memory_bytes=64 * 1024**2), scheduler=SchedulerConfig(max_num_seqs=1))
     engine = await asyncio.to_thread(ServingEngine.load, config, asyncio.get_running_loop())
     servicer = EngineServicer()
     servicer.attach(engine)
@@ -442,7 +444,7 @@ def test_a_long_clip_is_served_as_its_windows(whisper: tuple[Path, Any], served:
     clip: its three windows, cut at the quiet gaps, each get transformers' prompt (the previous text on each, the
     first window's language) and tokens on that window's samples; the result joins them (text, tokens, prompts,
     usage summed) with the whole clip's seconds; the short clip's tokens are as alone."""
-    from engine_server.multimodal.clip_windows import joined_results
+    from engine_server.frontend import joined_results
 
     audio, _ = long_clip()
     prompt = TranscriptionPrompt(audio, prompt=PREVIOUS)
@@ -511,8 +513,10 @@ async def test_a_long_clip_over_grpc_generate_and_stream(whisper: tuple[Path, An
     german = TranscriptionPrompt(audio, "de", prompt=PREVIOUS)
     detected_windows, detected_expected = long_windows(whisper, detected)
     _, german_expected = long_windows(whisper, german)
+    # One sequence at a time: when the caller closes after window 0's first update, windows 1 and 2 are still waiting
+    # however slowly the test's event loop runs (running beside it, they could finish first on a loaded machine).
     config = EngineConfig(model=str(folder), device="cpu", quantization="none",
-                          cache=CacheConfig(memory_bytes=64 * 1024**2))  # fmt: skip
+                          cache=CacheConfig(memory_bytes=64 * 1024**2), scheduler=SchedulerConfig(max_num_seqs=1))
     engine = await asyncio.to_thread(ServingEngine.load, config, asyncio.get_running_loop())
     servicer = EngineServicer()
     servicer.attach(engine)
@@ -575,15 +579,15 @@ async def cancelled_after_the_first_update(engine: Any, prompt: TranscriptionPro
 
 
 def joined_text(folder: Path, expected: list[tuple[list[int], list[int]]]) -> str:
-    """The windows' texts (their tokens decoded, special tokens skipped) joined as `clip_windows.separator` joins
+    """The windows' texts (their tokens decoded, special tokens skipped) joined as `frontend.window_separator` joins
     them (a space where neither side has one)."""
     from transformers import AutoTokenizer
 
-    from engine_server.multimodal.clip_windows import separator
+    from engine_server.frontend import window_separator
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     text = ""
     for _, tokens in expected:
         part = tokenizer.decode(tokens, skip_special_tokens=True)
-        text += separator(text, part) + part
+        text += window_separator(text, part) + part
     return text
