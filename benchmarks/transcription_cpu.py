@@ -20,31 +20,17 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import media_input
+from benchmarks.audio_input_cpu import RATE, SECONDS, recording  # (its 10-second clips)
 from benchmarks.common import append_result
 from benchmarks.vl_checkpoints import save_drawn, vision_tokenizer
 
 NEW = 64
-SECONDS = 10.0
-RATE = 16_000
 SHAPE: dict[str, Any] = {"d_model": 512, "encoder_layers": 6, "decoder_layers": 6, "encoder_attention_heads": 8,
          "decoder_attention_heads": 8, "encoder_ffn_dim": 2048, "decoder_ffn_dim": 2048, "num_mel_bins": 80,
          "max_source_positions": 1500, "max_target_positions": 448}  # fmt: skip
 LANGUAGES = ("en", "de", "fr", "es")
 SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", *[f"<|{code}|>" for code in LANGUAGES], "<|translate|>",
             "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"]  # fmt: skip
-
-
-def recording(seed: int) -> bytes:
-    """A random SECONDS-long clip (tones and noise) as a 16 kHz mono WAV file."""
-    import numpy as np
-    import soundfile
-
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(SECONDS * RATE)) / RATE
-    wave = sum(np.sin(2 * np.pi * f * t) for f in rng.uniform(100, 2000, 4)) * 0.2
-    out = io.BytesIO()
-    soundfile.write(out, (wave + 0.05 * rng.standard_normal(t.shape[0])).astype(np.float32), RATE, format="WAV")
-    return out.getvalue()
 
 
 def save_checkpoint(folder: Path) -> Any:
