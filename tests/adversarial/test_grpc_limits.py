@@ -74,7 +74,7 @@ def test_batch_with_10000_items(stub: Stub) -> None:
         outcomes[response.WhichOneof("outcome")] += 1
         if response.HasField("error"):
             assert (response.error.code, response.error.param) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], "input")
-            assert response.error.message == "input must set one of text, chat or token_ids"
+            assert response.error.message == "input must set one of text, chat, token_ids or transcription"
         else:
             assert int(response.item_id) % 200 == 0 and len(response.result.choices[0].token_ids) == 1
         if position % 500 == 0:

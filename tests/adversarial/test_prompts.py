@@ -50,7 +50,7 @@ def test_empty_prompt_and_empty_messages(http: httpx.Client, stub: Stub, model_i
     no_chat = request(types_pb2.Input(chat=types_pb2.ChatInput()))
     assert_rpc_error(rpc_error(stub.Generate, no_chat, timeout=60), INVALID, "messages", "messages must not be empty")
     assert_rpc_error(rpc_error(stub.Generate, request(types_pb2.Input()), timeout=60), INVALID, "input",
-                     "input must set one of text, chat or token_ids")
+                     "input must set one of text, chat, token_ids or transcription")
     still_serves_http(http, model_id)
     still_serves_grpc(stub)
 
