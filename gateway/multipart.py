@@ -3,10 +3,12 @@ Content-Disposition gathered from its headers and its `name` handed to the reade
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from python_multipart.multipart import parse_options_header
 
 
-class PartReader:
+class PartReader(ABC):
     """Callbacks for MultipartParser (`callbacks()`). Once a part's headers are read, `part_named(name, params)` (its
     Content-Disposition's `name` and every parameter) says what it is: "file", a field's name, or None to skip it;
     `_part` holds that while its bytes come to `_part_data` and until `_part_end`. `_buffer` is a scratch buffer,
@@ -30,15 +32,17 @@ class PartReader:
             "on_part_end": self._part_end,
         }
 
+    @abstractmethod
     def part_named(self, name: str, params: dict[bytes, bytes]) -> str | None:
         """What the part named `name` is ("file", a field's name, None to skip it); may raise APIError."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _part_data(self, data: bytes, start: int, end: int) -> None:
-        raise NotImplementedError
+        """Bytes `data[start:end]` of the current part (`_part`)."""
 
+    @abstractmethod
     def _part_end(self) -> None:
-        raise NotImplementedError
+        """The current part has ended."""
 
     def _part_begin(self) -> None:
         self._disposition = b""

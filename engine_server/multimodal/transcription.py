@@ -16,6 +16,7 @@ does. A clip longer than the encoder's window (30 s) is served as its windows (`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 from dataclasses import dataclass
@@ -167,9 +168,13 @@ class WhisperTranscription:
         model's `vocab_size` but the languages' suppressed (its output the language token, as transformers'
         `detect_language` picks it)."""
         clip, info = self._clip(prompt.audio, "", detection=True)
+        return PreparedTranscription([self.start], clip, info, self._not_languages(vocab_size), ())
+
+    @functools.cache  # noqa: B019  (one entry a model: its vocabulary size; the instance lives as long as the engine)
+    def _not_languages(self, vocab_size: int) -> tuple[int, ...]:
+        """Every token id below `vocab_size` but the languages' (a detection's suppressed tokens), made once."""
         allowed = set(self.languages.values())
-        others = tuple(t for t in range(vocab_size) if t not in allowed)
-        return PreparedTranscription([self.start], clip, info, others, ())
+        return tuple(t for t in range(vocab_size) if t not in allowed)
 
     def _previous_text(self, text: str) -> list[int]:
         """`<|startofprev|>` and the previous text's tokens (" " + the text stripped), as `get_prompt_ids` makes them;

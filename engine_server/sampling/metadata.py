@@ -252,8 +252,11 @@ def _min_tokens_bans(stage: _Stager, rows: Sequence[SamplingRow]) -> SparseToken
     token_ids: list[int] = []
     for i, row in enumerate(rows):
         params = row.params
+        begins = bool(params.begin_suppress_token_ids) and not row.output_token_ids
+        if not params.suppress_token_ids and not begins and len(row.output_token_ids) >= params.min_tokens:
+            continue  # (most rows: nothing held)
         banned: set[int] = set(params.suppress_token_ids)
-        if params.begin_suppress_token_ids and not row.output_token_ids:
+        if begins:
             banned.update(params.begin_suppress_token_ids)
         if len(row.output_token_ids) < params.min_tokens:
             banned.update(params.stop_token_ids)
