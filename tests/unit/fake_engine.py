@@ -55,7 +55,8 @@ from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 
 MODEL = "fake-model"
 DIMENSIONS = 8  # length of the fake engine's embeddings
-MAX_CLIP_S = 30.0  # Whisper's window: longer clips are refused
+MAX_CLIP_S = 3600.0  # the engine's --max-transcription-seconds default: longer clips are refused (shorter ones past
+# Whisper's 30 s window are transcribed in windows)
 FAKE_LANGUAGES = {"en": "english", "de": "german", "fr": "french", "es": "spanish", "ja": "japanese"}
 
 
@@ -86,6 +87,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     reads_audio: bool = True  # False: a turn with an audio clip is refused, as a model that hears none refuses it
     audio: list[bytes] = field(default_factory=list)  # every audio clip of a chat turn received, in order
     transcribes: bool = True  # False: an Input.transcription is refused, as a text model's engine refuses it
+    max_clip_s: float = MAX_CLIP_S  # the engine's --max-transcription-seconds: a longer clip is refused
     speech_only: bool = False  # True: every other input is refused, as a speech-to-text model's engine refuses it
     # Every transcription received (Generate and Stream), with the request's sampling, in order.
     heard: list[tuple[types_pb2.Transcription, types_pb2.SamplingParams]] = field(default_factory=list)
@@ -132,8 +134,9 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             return f"unknown language {speech.language!r}", "transcription.language"
         if speech.task not in types_pb2.TranscriptionTask.values():
             return f"unknown task {speech.task}", "transcription.task"
-        if (seconds := clip_seconds(speech.audio.data)) > MAX_CLIP_S:
-            return f"the clip is {seconds:.1f} s long; this model hears at most {MAX_CLIP_S:g} s", "transcription.audio"
+        if (seconds := clip_seconds(speech.audio.data)) > self.max_clip_s:
+            return (f"the audio clip is {seconds:.1f} s long; this model hears at most {self.max_clip_s:.0f} s a clip: "
+                    "send it in shorter clips", "transcription.audio")  # (the engine's words)
         return None
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context: Any) -> engine_pb2.GenerateResponse:

@@ -137,7 +137,7 @@ def test_the_fake_engine_reads_a_wav_clips_length() -> None:
 
 @pytest.fixture
 async def fake() -> AsyncIterator[tuple[FakeEngine, str]]:
-    engine = FakeEngine()
+    engine = FakeEngine(max_clip_s=30.0)  # (as an engine run with --max-transcription-seconds 30)
     grpc_server, address = await start_fake_engine(engine)
     yield engine, address
     await grpc_server.stop(None)
@@ -279,7 +279,7 @@ def form(fields: dict[str, str], file: bytes | None = CLIP) -> dict[str, Any]:
     ({"temperature": "3"}, CLIP, "temperature", "less than or equal to 2"),
     ({"stream": "perhaps"}, CLIP, "stream", "boolean"),
     ({"language": "klingon"}, CLIP, "language", "unknown language 'klingon'"),  # the engine's, passed through
-    ({"model": MODEL}, wav(31.0), "file", "the clip is 31.0 s long; this model hears at most 30 s"),
+    ({"model": MODEL}, wav(31.0), "file", "the audio clip is 31.0 s long; this model hears at most 30 s"),
 ])
 async def test_the_form_and_the_engine_refuse_in_openais_shape(
     fake: tuple[FakeEngine, str], tmp_path: Path, fields: dict[str, str], file: bytes | None, param: str, says: str
