@@ -12,7 +12,8 @@ A chat turn's `content_parts` echo as their text with each image as `<image N>` 
 when `reads_audio` is false, as a model without that tower refuses it), and every image received is kept in
 `images`, every clip in `audio`.
 An `Input.transcription` is heard as a speech-to-text engine hears it, under its rules (INVALID_ARGUMENT naming the
-field: no clip, a clip longer than MAX_CLIP_S, a language not in FAKE_LANGUAGES by code or name, an unknown task; a
+field: no clip, a clip longer than `max_clip_s` (MAX_CLIP_S, the engine's default), a language not in
+FAKE_LANGUAGES by code or name, an unknown task; a
 transcription when `transcribes` is false, as a text model refuses it, and any other input when `speech_only`, as a
 Whisper engine refuses it): its reply is `heard_text` (the task's verb and the clip's size) with one token per
 word, the logprobs when asked, and TranscriptionInfo (the request's language as a code, or "en" as if detected; the
