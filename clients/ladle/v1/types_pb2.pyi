@@ -183,6 +183,7 @@ class Transcription(_message.Message):
     LANGUAGE_FIELD_NUMBER: _builtins.int
     TASK_FIELD_NUMBER: _builtins.int
     PROMPT_FIELD_NUMBER: _builtins.int
+    TIMESTAMPS_FIELD_NUMBER: _builtins.int
     language: _builtins.str
     """The speech's language as an ISO-639-1 code ("en", "de"), or a name the model knows ("english"); empty: the model
     detects it from the clip (TranscriptionInfo.language says which). A language the model does not know is
@@ -193,6 +194,11 @@ class Transcription(_message.Message):
     prompt: _builtins.str
     """Text that came before the clip (Whisper's previous-text prompt), to carry names, spelling and style over; it is
     part of the prompt, not of the output.
+    """
+    timestamps: _builtins.bool
+    """Decode with Whisper's timestamp tokens (its prompt without `<|notimestamps|>`, the tokens held to transformers'
+    `WhisperTimeStampLogitsProcessor` rules): each choice comes with its TranscriptionSegments. The text is the
+    words alone either way. A model whose vocabulary has no timestamp tokens refuses it (INVALID_ARGUMENT).
     """
     @_builtins.property
     def audio(self) -> Global___Audio:
@@ -211,10 +217,11 @@ class Transcription(_message.Message):
         language: _builtins.str = ...,
         task: Global___TranscriptionTask.ValueType = ...,
         prompt: _builtins.str = ...,
+        timestamps: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio", "language", b"language", "prompt", b"prompt", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio", "language", b"language", "prompt", b"prompt", "task", b"task", "timestamps", b"timestamps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -245,6 +252,54 @@ class TranscriptionInfo(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TranscriptionInfo: _TypeAlias = TranscriptionInfo  # noqa: Y015
+
+@_typing.final
+class TranscriptionSegment(_message.Message):
+    """TranscriptionSegment is a stretch of speech between two of Whisper's timestamp tokens (Transcription.timestamps)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_SECONDS_FIELD_NUMBER: _builtins.int
+    END_SECONDS_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_FIELD_NUMBER: _builtins.int
+    SEEK_FIELD_NUMBER: _builtins.int
+    start_seconds: _builtins.float
+    """When it starts, in seconds from the clip's start (its opening timestamp plus its window's start)."""
+    end_seconds: _builtins.float
+    """When it ends: its closing timestamp, or its window's end where the decode stopped before one. No segment ends
+    past its window's end.
+    """
+    text: _builtins.str
+    """Its words (Whisper's leading space kept); the choice's text is its segments' texts in order."""
+    first_token: _builtins.int
+    """Where its first token is in Choice.token_ids (to line its tokens up with Choice.logprobs)."""
+    seek: _builtins.int
+    """The start of the window it was decoded in (a clip over 30 s is decoded in windows), in 10 ms frames:
+    Whisper's `seek`.
+    """
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Its tokens, its timestamp tokens included, as Choice.token_ids holds them."""
+
+    def __init__(
+        self,
+        *,
+        start_seconds: _builtins.float = ...,
+        end_seconds: _builtins.float = ...,
+        text: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        first_token: _builtins.int = ...,
+        seek: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_seconds", b"end_seconds", "first_token", b"first_token", "seek", b"seek", "start_seconds", b"start_seconds", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TranscriptionSegment: _TypeAlias = TranscriptionSegment  # noqa: Y015
 
 @_typing.final
 class TokenIds(_message.Message):
@@ -873,6 +928,7 @@ class Choice(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
     REASONING_CONTENT_FIELD_NUMBER: _builtins.int
+    SEGMENTS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Position of the choice, 0..n-1."""
     text: _builtins.str
@@ -899,6 +955,10 @@ class Choice(_message.Message):
     def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
         """Tool calls parsed from the output (then text holds only the content outside the calls)."""
 
+    @_builtins.property
+    def segments(self) -> _containers.RepeatedCompositeFieldContainer[Global___TranscriptionSegment]:
+        """A transcription's segments, in order, where it asked for timestamps (Transcription.timestamps)."""
+
     def __init__(
         self,
         *,
@@ -910,10 +970,11 @@ class Choice(_message.Message):
         logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
         tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
         reasoning_content: _builtins.str = ...,
+        segments: _abc.Iterable[Global___TranscriptionSegment] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["matched_stop", b"matched_stop"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "reasoning_content", b"reasoning_content", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "reasoning_content", b"reasoning_content", "segments", b"segments", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -933,6 +994,7 @@ class ChoiceDelta(_message.Message):
     MATCHED_STOP_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
     REASONING_CONTENT_FIELD_NUMBER: _builtins.int
+    SEGMENTS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Position of the choice, 0..n-1."""
     text: _builtins.str
@@ -957,6 +1019,10 @@ class ChoiceDelta(_message.Message):
     def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCallDelta]:
         """Pieces of tool calls."""
 
+    @_builtins.property
+    def segments(self) -> _containers.RepeatedCompositeFieldContainer[Global___TranscriptionSegment]:
+        """A transcription's segments (Choice.segments), all on the choice's last delta."""
+
     def __init__(
         self,
         *,
@@ -968,10 +1034,11 @@ class ChoiceDelta(_message.Message):
         matched_stop: Global___MatchedStop | None = ...,
         tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
         reasoning_content: _builtins.str = ...,
+        segments: _abc.Iterable[Global___TranscriptionSegment] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["matched_stop", b"matched_stop"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "reasoning_content", b"reasoning_content", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "reasoning_content", b"reasoning_content", "segments", b"segments", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

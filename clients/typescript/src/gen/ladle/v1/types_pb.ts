@@ -14,7 +14,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file ladle/v1/types.proto.
  */
 export const file_ladle_v1_types: GenFile = /*@__PURE__*/
-  fileDesc("ChRsYWRsZS92MS90eXBlcy5wcm90bxIIbGFkbGUudjEinwEKBUlucHV0Eg4KBHRleHQYASABKAlIABIjCgRjaGF0GAIgASgLMhMubGFkbGUudjEuQ2hhdElucHV0SAASJwoJdG9rZW5faWRzGAMgASgLMhIubGFkbGUudjEuVG9rZW5JZHNIABIwCg10cmFuc2NyaXB0aW9uGAQgASgLMhcubGFkbGUudjEuVHJhbnNjcmlwdGlvbkgAQgYKBGtpbmQifAoNVHJhbnNjcmlwdGlvbhIeCgVhdWRpbxgBIAEoCzIPLmxhZGxlLnYxLkF1ZGlvEhAKCGxhbmd1YWdlGAIgASgJEikKBHRhc2sYAyABKA4yGy5sYWRsZS52MS5UcmFuc2NyaXB0aW9uVGFzaxIOCgZwcm9tcHQYBCABKAkiPwoRVHJhbnNjcmlwdGlvbkluZm8SEAoIbGFuZ3VhZ2UYASABKAkSGAoQZHVyYXRpb25fc2Vjb25kcxgCIAEoASIXCghUb2tlbklkcxILCgNpZHMYASADKA0i3wEKCUNoYXRJbnB1dBInCghtZXNzYWdlcxgBIAMoCzIVLmxhZGxlLnYxLkNoYXRNZXNzYWdlEh0KBXRvb2xzGAIgAygLMg4ubGFkbGUudjEuVG9vbBIpCgt0b29sX2Nob2ljZRgDIAEoCzIULmxhZGxlLnYxLlRvb2xDaG9pY2USIgoVYWRkX2dlbmVyYXRpb25fcHJvbXB0GAQgASgISACIAQESIQoZY2hhdF90ZW1wbGF0ZV9rd2FyZ3NfanNvbhgFIAEoCUIYChZfYWRkX2dlbmVyYXRpb25fcHJvbXB0IqYBCgtDaGF0TWVzc2FnZRIMCgRyb2xlGAEgASgJEg8KB2NvbnRlbnQYAiABKAkSJgoKdG9vbF9jYWxscxgDIAMoCzISLmxhZGxlLnYxLlRvb2xDYWxsEhQKDHRvb2xfY2FsbF9pZBgEIAEoCRIMCgRuYW1lGAUgASgJEiwKDWNvbnRlbnRfcGFydHMYBiADKAsyFS5sYWRsZS52MS5Db250ZW50UGFydCJpCgtDb250ZW50UGFydBIOCgR0ZXh0GAEgASgJSAASIAoFaW1hZ2UYAiABKAsyDy5sYWRsZS52MS5JbWFnZUgAEiAKBWF1ZGlvGAMgASgLMg8ubGFkbGUudjEuQXVkaW9IAEIGCgRwYXJ0IhUKBUltYWdlEgwKBGRhdGEYASABKAwiFQoFQXVkaW8SDAoEZGF0YRgBIAEoDCJSCgRUb29sEgwKBG5hbWUYASABKAkSEwoLZGVzY3JpcHRpb24YAiABKAkSFwoPcGFyYW1ldGVyc19qc29uGAMgASgJEg4KBnN0cmljdBgEIAEoCCJZCgpUb29sQ2hvaWNlEigKBG1vZGUYASABKA4yGC5sYWRsZS52MS5Ub29sQ2hvaWNlTW9kZUgAEhcKDWZ1bmN0aW9uX25hbWUYAiABKAlIAEIICgZjaG9pY2UiPAoIVG9vbENhbGwSCgoCaWQYASABKAkSDAoEbmFtZRgCIAEoCRIWCg5hcmd1bWVudHNfanNvbhgDIAEoCSJWCg1Ub29sQ2FsbERlbHRhEg0KBWluZGV4GAEgASgNEgoKAmlkGAIgASgJEgwKBG5hbWUYAyABKAkSHAoUYXJndW1lbnRzX2pzb25fZGVsdGEYBCABKAkipgYKDlNhbXBsaW5nUGFyYW1zEhcKCm1heF90b2tlbnMYASABKA1IAIgBARIYCgt0ZW1wZXJhdHVyZRgCIAEoAkgBiAEBEhIKBXRvcF9wGAMgASgCSAKIAQESEgoFdG9wX2sYBCABKAVIA4gBARISCgVtaW5fcBgFIAEoAkgEiAEBEh0KEHByZXNlbmNlX3BlbmFsdHkYBiABKAJIBYgBARIeChFmcmVxdWVuY3lfcGVuYWx0eRgHIAEoAkgGiAEBEh8KEnJlcGV0aXRpb25fcGVuYWx0eRgIIAEoAkgHiAEBEjsKCmxvZ2l0X2JpYXMYCSADKAsyJy5sYWRsZS52MS5TYW1wbGluZ1BhcmFtcy5Mb2dpdEJpYXNFbnRyeRIRCgRzZWVkGAogASgESAiIAQESEgoKbWluX3Rva2VucxgLIAEoDRIMCgRzdG9wGAwgAygJEhYKDnN0b3BfdG9rZW5faWRzGA0gAygNEhIKCmlnbm9yZV9lb3MYDiABKAgSDgoBbhgPIAEoDUgJiAEBEhAKCGxvZ3Byb2JzGBAgASgIEhQKDHRvcF9sb2dwcm9icxgRIAEoDRIgChNza2lwX3NwZWNpYWxfdG9rZW5zGBIgASgISAqIAQESIgoaaW5jbHVkZV9zdG9wX3N0cl9pbl9vdXRwdXQYEyABKAgSHAoPcHJvbXB0X2xvZ3Byb2JzGBQgASgNSAuIAQESHwoXcmV0dXJuX3Byb21wdF90b2tlbl9pZHMYFSABKAgaMAoOTG9naXRCaWFzRW50cnkSCwoDa2V5GAEgASgNEg0KBXZhbHVlGAIgASgCOgI4AUINCgtfbWF4X3Rva2Vuc0IOCgxfdGVtcGVyYXR1cmVCCAoGX3RvcF9wQggKBl90b3Bfa0IICgZfbWluX3BCEwoRX3ByZXNlbmNlX3BlbmFsdHlCFAoSX2ZyZXF1ZW5jeV9wZW5hbHR5QhUKE19yZXBldGl0aW9uX3BlbmFsdHlCBwoFX3NlZWRCBAoCX25CFgoUX3NraXBfc3BlY2lhbF90b2tlbnNCEgoQX3Byb21wdF9sb2dwcm9icyKmAQoKQ29uc3RyYWludBIVCgtqc29uX3NjaGVtYRgBIAEoCUgAEi0KC2pzb25fb2JqZWN0GAIgASgLMhYuZ29vZ2xlLnByb3RvYnVmLkVtcHR5SAASDwoFcmVnZXgYAyABKAlIABImCgZjaG9pY2UYBCABKAsyFC5sYWRsZS52MS5DaG9pY2VMaXN0SAASEQoHZ3JhbW1hchgFIAEoCUgAQgYKBGtpbmQiHQoKQ2hvaWNlTGlzdBIPCgdjaG9pY2VzGAEgAygJIjkKC01hdGNoZWRTdG9wEg4KBHRleHQYASABKAlIABISCgh0b2tlbl9pZBgCIAEoDUgAQgYKBGtpbmQigQIKBkNob2ljZRINCgVpbmRleBgBIAEoDRIMCgR0ZXh0GAIgASgJEhEKCXRva2VuX2lkcxgDIAMoDRItCg1maW5pc2hfcmVhc29uGAQgASgOMhYubGFkbGUudjEuRmluaXNoUmVhc29uEisKDG1hdGNoZWRfc3RvcBgFIAEoCzIVLmxhZGxlLnYxLk1hdGNoZWRTdG9wEigKCGxvZ3Byb2JzGAYgAygLMhYubGFkbGUudjEuVG9rZW5Mb2dwcm9iEiYKCnRvb2xfY2FsbHMYByADKAsyEi5sYWRsZS52MS5Ub29sQ2FsbBIZChFyZWFzb25pbmdfY29udGVudBgIIAEoCSKLAgoLQ2hvaWNlRGVsdGESDQoFaW5kZXgYASABKA0SDAoEdGV4dBgCIAEoCRIRCgl0b2tlbl9pZHMYAyADKA0SKAoIbG9ncHJvYnMYBCADKAsyFi5sYWRsZS52MS5Ub2tlbkxvZ3Byb2ISLQoNZmluaXNoX3JlYXNvbhgFIAEoDjIWLmxhZGxlLnYxLkZpbmlzaFJlYXNvbhIrCgxtYXRjaGVkX3N0b3AYBiABKAsyFS5sYWRsZS52MS5NYXRjaGVkU3RvcBIrCgp0b29sX2NhbGxzGAcgAygLMhcubGFkbGUudjEuVG9vbENhbGxEZWx0YRIZChFyZWFzb25pbmdfY29udGVudBgIIAEoCSKAAQoOUHJvbXB0TG9ncHJvYnMSFgoOZmlyc3RfdG9rZW5faWQYASABKA0SEwoLZmlyc3RfdG9rZW4YAiABKAkSGQoRZmlyc3RfdG9rZW5fYnl0ZXMYAyABKAwSJgoGdG9rZW5zGAQgAygLMhYubGFkbGUudjEuVG9rZW5Mb2dwcm9iIo8BCgxUb2tlbkxvZ3Byb2ISEAoIdG9rZW5faWQYASABKA0SDQoFdG9rZW4YAiABKAkSDwoHbG9ncHJvYhgDIAEoAhITCgt0b2tlbl9ieXRlcxgEIAEoDBIqCgx0b3BfbG9ncHJvYnMYBSADKAsyFC5sYWRsZS52MS5Ub3BMb2dwcm9iEgwKBHJhbmsYBiABKA0iUwoKVG9wTG9ncHJvYhIQCgh0b2tlbl9pZBgBIAEoDRINCgV0b2tlbhgCIAEoCRIPCgdsb2dwcm9iGAMgASgCEhMKC3Rva2VuX2J5dGVzGAQgASgMIocBCgVVc2FnZRIVCg1wcm9tcHRfdG9rZW5zGAEgASgNEhkKEWNvbXBsZXRpb25fdG9rZW5zGAIgASgNEhQKDHRvdGFsX3Rva2VucxgDIAEoDRIcChRjYWNoZWRfcHJvbXB0X3Rva2VucxgEIAEoDRIYChByZWFzb25pbmdfdG9rZW5zGAUgASgNKnwKEVRyYW5zY3JpcHRpb25UYXNrEiIKHlRSQU5TQ1JJUFRJT05fVEFTS19VTlNQRUNJRklFRBAAEiEKHVRSQU5TQ1JJUFRJT05fVEFTS19UUkFOU0NSSUJFEAESIAocVFJBTlNDUklQVElPTl9UQVNLX1RSQU5TTEFURRACKocBCg5Ub29sQ2hvaWNlTW9kZRIgChxUT09MX0NIT0lDRV9NT0RFX1VOU1BFQ0lGSUVEEAASGQoVVE9PTF9DSE9JQ0VfTU9ERV9OT05FEAESGQoVVE9PTF9DSE9JQ0VfTU9ERV9BVVRPEAISHQoZVE9PTF9DSE9JQ0VfTU9ERV9SRVFVSVJFRBADKlIKCFByaW9yaXR5EhgKFFBSSU9SSVRZX1VOU1BFQ0lGSUVEEAASGAoUUFJJT1JJVFlfSU5URVJBQ1RJVkUQARISCg5QUklPUklUWV9CQVRDSBACKpYBCgxGaW5pc2hSZWFzb24SHQoZRklOSVNIX1JFQVNPTl9VTlNQRUNJRklFRBAAEhYKEkZJTklTSF9SRUFTT05fU1RPUBABEhgKFEZJTklTSF9SRUFTT05fTEVOR1RIEAISFwoTRklOSVNIX1JFQVNPTl9BQk9SVBADEhwKGEZJTklTSF9SRUFTT05fVE9PTF9DQUxMUxAEYgZwcm90bzM", [file_google_protobuf_empty]);
+  fileDesc("ChRsYWRsZS92MS90eXBlcy5wcm90bxIIbGFkbGUudjEinwEKBUlucHV0Eg4KBHRleHQYASABKAlIABIjCgRjaGF0GAIgASgLMhMubGFkbGUudjEuQ2hhdElucHV0SAASJwoJdG9rZW5faWRzGAMgASgLMhIubGFkbGUudjEuVG9rZW5JZHNIABIwCg10cmFuc2NyaXB0aW9uGAQgASgLMhcubGFkbGUudjEuVHJhbnNjcmlwdGlvbkgAQgYKBGtpbmQikAEKDVRyYW5zY3JpcHRpb24SHgoFYXVkaW8YASABKAsyDy5sYWRsZS52MS5BdWRpbxIQCghsYW5ndWFnZRgCIAEoCRIpCgR0YXNrGAMgASgOMhsubGFkbGUudjEuVHJhbnNjcmlwdGlvblRhc2sSDgoGcHJvbXB0GAQgASgJEhIKCnRpbWVzdGFtcHMYBSABKAgiPwoRVHJhbnNjcmlwdGlvbkluZm8SEAoIbGFuZ3VhZ2UYASABKAkSGAoQZHVyYXRpb25fc2Vjb25kcxgCIAEoASKGAQoUVHJhbnNjcmlwdGlvblNlZ21lbnQSFQoNc3RhcnRfc2Vjb25kcxgBIAEoARITCgtlbmRfc2Vjb25kcxgCIAEoARIMCgR0ZXh0GAMgASgJEhEKCXRva2VuX2lkcxgEIAMoDRITCgtmaXJzdF90b2tlbhgFIAEoDRIMCgRzZWVrGAYgASgNIhcKCFRva2VuSWRzEgsKA2lkcxgBIAMoDSLfAQoJQ2hhdElucHV0EicKCG1lc3NhZ2VzGAEgAygLMhUubGFkbGUudjEuQ2hhdE1lc3NhZ2USHQoFdG9vbHMYAiADKAsyDi5sYWRsZS52MS5Ub29sEikKC3Rvb2xfY2hvaWNlGAMgASgLMhQubGFkbGUudjEuVG9vbENob2ljZRIiChVhZGRfZ2VuZXJhdGlvbl9wcm9tcHQYBCABKAhIAIgBARIhChljaGF0X3RlbXBsYXRlX2t3YXJnc19qc29uGAUgASgJQhgKFl9hZGRfZ2VuZXJhdGlvbl9wcm9tcHQipgEKC0NoYXRNZXNzYWdlEgwKBHJvbGUYASABKAkSDwoHY29udGVudBgCIAEoCRImCgp0b29sX2NhbGxzGAMgAygLMhIubGFkbGUudjEuVG9vbENhbGwSFAoMdG9vbF9jYWxsX2lkGAQgASgJEgwKBG5hbWUYBSABKAkSLAoNY29udGVudF9wYXJ0cxgGIAMoCzIVLmxhZGxlLnYxLkNvbnRlbnRQYXJ0ImkKC0NvbnRlbnRQYXJ0Eg4KBHRleHQYASABKAlIABIgCgVpbWFnZRgCIAEoCzIPLmxhZGxlLnYxLkltYWdlSAASIAoFYXVkaW8YAyABKAsyDy5sYWRsZS52MS5BdWRpb0gAQgYKBHBhcnQiFQoFSW1hZ2USDAoEZGF0YRgBIAEoDCIVCgVBdWRpbxIMCgRkYXRhGAEgASgMIlIKBFRvb2wSDAoEbmFtZRgBIAEoCRITCgtkZXNjcmlwdGlvbhgCIAEoCRIXCg9wYXJhbWV0ZXJzX2pzb24YAyABKAkSDgoGc3RyaWN0GAQgASgIIlkKClRvb2xDaG9pY2USKAoEbW9kZRgBIAEoDjIYLmxhZGxlLnYxLlRvb2xDaG9pY2VNb2RlSAASFwoNZnVuY3Rpb25fbmFtZRgCIAEoCUgAQggKBmNob2ljZSI8CghUb29sQ2FsbBIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEhYKDmFyZ3VtZW50c19qc29uGAMgASgJIlYKDVRvb2xDYWxsRGVsdGESDQoFaW5kZXgYASABKA0SCgoCaWQYAiABKAkSDAoEbmFtZRgDIAEoCRIcChRhcmd1bWVudHNfanNvbl9kZWx0YRgEIAEoCSKmBgoOU2FtcGxpbmdQYXJhbXMSFwoKbWF4X3Rva2VucxgBIAEoDUgAiAEBEhgKC3RlbXBlcmF0dXJlGAIgASgCSAGIAQESEgoFdG9wX3AYAyABKAJIAogBARISCgV0b3BfaxgEIAEoBUgDiAEBEhIKBW1pbl9wGAUgASgCSASIAQESHQoQcHJlc2VuY2VfcGVuYWx0eRgGIAEoAkgFiAEBEh4KEWZyZXF1ZW5jeV9wZW5hbHR5GAcgASgCSAaIAQESHwoScmVwZXRpdGlvbl9wZW5hbHR5GAggASgCSAeIAQESOwoKbG9naXRfYmlhcxgJIAMoCzInLmxhZGxlLnYxLlNhbXBsaW5nUGFyYW1zLkxvZ2l0Qmlhc0VudHJ5EhEKBHNlZWQYCiABKARICIgBARISCgptaW5fdG9rZW5zGAsgASgNEgwKBHN0b3AYDCADKAkSFgoOc3RvcF90b2tlbl9pZHMYDSADKA0SEgoKaWdub3JlX2VvcxgOIAEoCBIOCgFuGA8gASgNSAmIAQESEAoIbG9ncHJvYnMYECABKAgSFAoMdG9wX2xvZ3Byb2JzGBEgASgNEiAKE3NraXBfc3BlY2lhbF90b2tlbnMYEiABKAhICogBARIiChppbmNsdWRlX3N0b3Bfc3RyX2luX291dHB1dBgTIAEoCBIcCg9wcm9tcHRfbG9ncHJvYnMYFCABKA1IC4gBARIfChdyZXR1cm5fcHJvbXB0X3Rva2VuX2lkcxgVIAEoCBowCg5Mb2dpdEJpYXNFbnRyeRILCgNrZXkYASABKA0SDQoFdmFsdWUYAiABKAI6AjgBQg0KC19tYXhfdG9rZW5zQg4KDF90ZW1wZXJhdHVyZUIICgZfdG9wX3BCCAoGX3RvcF9rQggKBl9taW5fcEITChFfcHJlc2VuY2VfcGVuYWx0eUIUChJfZnJlcXVlbmN5X3BlbmFsdHlCFQoTX3JlcGV0aXRpb25fcGVuYWx0eUIHCgVfc2VlZEIECgJfbkIWChRfc2tpcF9zcGVjaWFsX3Rva2Vuc0ISChBfcHJvbXB0X2xvZ3Byb2JzIqYBCgpDb25zdHJhaW50EhUKC2pzb25fc2NoZW1hGAEgASgJSAASLQoLanNvbl9vYmplY3QYAiABKAsyFi5nb29nbGUucHJvdG9idWYuRW1wdHlIABIPCgVyZWdleBgDIAEoCUgAEiYKBmNob2ljZRgEIAEoCzIULmxhZGxlLnYxLkNob2ljZUxpc3RIABIRCgdncmFtbWFyGAUgASgJSABCBgoEa2luZCIdCgpDaG9pY2VMaXN0Eg8KB2Nob2ljZXMYASADKAkiOQoLTWF0Y2hlZFN0b3ASDgoEdGV4dBgBIAEoCUgAEhIKCHRva2VuX2lkGAIgASgNSABCBgoEa2luZCKzAgoGQ2hvaWNlEg0KBWluZGV4GAEgASgNEgwKBHRleHQYAiABKAkSEQoJdG9rZW5faWRzGAMgAygNEi0KDWZpbmlzaF9yZWFzb24YBCABKA4yFi5sYWRsZS52MS5GaW5pc2hSZWFzb24SKwoMbWF0Y2hlZF9zdG9wGAUgASgLMhUubGFkbGUudjEuTWF0Y2hlZFN0b3ASKAoIbG9ncHJvYnMYBiADKAsyFi5sYWRsZS52MS5Ub2tlbkxvZ3Byb2ISJgoKdG9vbF9jYWxscxgHIAMoCzISLmxhZGxlLnYxLlRvb2xDYWxsEhkKEXJlYXNvbmluZ19jb250ZW50GAggASgJEjAKCHNlZ21lbnRzGAkgAygLMh4ubGFkbGUudjEuVHJhbnNjcmlwdGlvblNlZ21lbnQivQIKC0Nob2ljZURlbHRhEg0KBWluZGV4GAEgASgNEgwKBHRleHQYAiABKAkSEQoJdG9rZW5faWRzGAMgAygNEigKCGxvZ3Byb2JzGAQgAygLMhYubGFkbGUudjEuVG9rZW5Mb2dwcm9iEi0KDWZpbmlzaF9yZWFzb24YBSABKA4yFi5sYWRsZS52MS5GaW5pc2hSZWFzb24SKwoMbWF0Y2hlZF9zdG9wGAYgASgLMhUubGFkbGUudjEuTWF0Y2hlZFN0b3ASKwoKdG9vbF9jYWxscxgHIAMoCzIXLmxhZGxlLnYxLlRvb2xDYWxsRGVsdGESGQoRcmVhc29uaW5nX2NvbnRlbnQYCCABKAkSMAoIc2VnbWVudHMYCSADKAsyHi5sYWRsZS52MS5UcmFuc2NyaXB0aW9uU2VnbWVudCKAAQoOUHJvbXB0TG9ncHJvYnMSFgoOZmlyc3RfdG9rZW5faWQYASABKA0SEwoLZmlyc3RfdG9rZW4YAiABKAkSGQoRZmlyc3RfdG9rZW5fYnl0ZXMYAyABKAwSJgoGdG9rZW5zGAQgAygLMhYubGFkbGUudjEuVG9rZW5Mb2dwcm9iIo8BCgxUb2tlbkxvZ3Byb2ISEAoIdG9rZW5faWQYASABKA0SDQoFdG9rZW4YAiABKAkSDwoHbG9ncHJvYhgDIAEoAhITCgt0b2tlbl9ieXRlcxgEIAEoDBIqCgx0b3BfbG9ncHJvYnMYBSADKAsyFC5sYWRsZS52MS5Ub3BMb2dwcm9iEgwKBHJhbmsYBiABKA0iUwoKVG9wTG9ncHJvYhIQCgh0b2tlbl9pZBgBIAEoDRINCgV0b2tlbhgCIAEoCRIPCgdsb2dwcm9iGAMgASgCEhMKC3Rva2VuX2J5dGVzGAQgASgMIocBCgVVc2FnZRIVCg1wcm9tcHRfdG9rZW5zGAEgASgNEhkKEWNvbXBsZXRpb25fdG9rZW5zGAIgASgNEhQKDHRvdGFsX3Rva2VucxgDIAEoDRIcChRjYWNoZWRfcHJvbXB0X3Rva2VucxgEIAEoDRIYChByZWFzb25pbmdfdG9rZW5zGAUgASgNKnwKEVRyYW5zY3JpcHRpb25UYXNrEiIKHlRSQU5TQ1JJUFRJT05fVEFTS19VTlNQRUNJRklFRBAAEiEKHVRSQU5TQ1JJUFRJT05fVEFTS19UUkFOU0NSSUJFEAESIAocVFJBTlNDUklQVElPTl9UQVNLX1RSQU5TTEFURRACKocBCg5Ub29sQ2hvaWNlTW9kZRIgChxUT09MX0NIT0lDRV9NT0RFX1VOU1BFQ0lGSUVEEAASGQoVVE9PTF9DSE9JQ0VfTU9ERV9OT05FEAESGQoVVE9PTF9DSE9JQ0VfTU9ERV9BVVRPEAISHQoZVE9PTF9DSE9JQ0VfTU9ERV9SRVFVSVJFRBADKlIKCFByaW9yaXR5EhgKFFBSSU9SSVRZX1VOU1BFQ0lGSUVEEAASGAoUUFJJT1JJVFlfSU5URVJBQ1RJVkUQARISCg5QUklPUklUWV9CQVRDSBACKpYBCgxGaW5pc2hSZWFzb24SHQoZRklOSVNIX1JFQVNPTl9VTlNQRUNJRklFRBAAEhYKEkZJTklTSF9SRUFTT05fU1RPUBABEhgKFEZJTklTSF9SRUFTT05fTEVOR1RIEAISFwoTRklOSVNIX1JFQVNPTl9BQk9SVBADEhwKGEZJTklTSF9SRUFTT05fVE9PTF9DQUxMUxAEYgZwcm90bzM", [file_google_protobuf_empty]);
 
 /**
  * Input is what the model continues: exactly one of text, chat messages, token ids or an audio clip to transcribe.
@@ -112,6 +112,15 @@ export type Transcription = Message<"ladle.v1.Transcription"> & {
    * @generated from field: string prompt = 4;
    */
   prompt: string;
+
+  /**
+   * Decode with Whisper's timestamp tokens (its prompt without `<|notimestamps|>`, the tokens held to transformers'
+   * `WhisperTimeStampLogitsProcessor` rules): each choice comes with its TranscriptionSegments. The text is the
+   * words alone either way. A model whose vocabulary has no timestamp tokens refuses it (INVALID_ARGUMENT).
+   *
+   * @generated from field: bool timestamps = 5;
+   */
+  timestamps: boolean;
 };
 
 /**
@@ -150,6 +159,64 @@ export const TranscriptionInfoSchema: GenMessage<TranscriptionInfo> = /*@__PURE_
   messageDesc(file_ladle_v1_types, 2);
 
 /**
+ * TranscriptionSegment is a stretch of speech between two of Whisper's timestamp tokens (Transcription.timestamps).
+ *
+ * @generated from message ladle.v1.TranscriptionSegment
+ */
+export type TranscriptionSegment = Message<"ladle.v1.TranscriptionSegment"> & {
+  /**
+   * When it starts, in seconds from the clip's start (its opening timestamp plus its window's start).
+   *
+   * @generated from field: double start_seconds = 1;
+   */
+  startSeconds: number;
+
+  /**
+   * When it ends: its closing timestamp, or its window's end where the decode stopped before one. No segment ends
+   * past its window's end.
+   *
+   * @generated from field: double end_seconds = 2;
+   */
+  endSeconds: number;
+
+  /**
+   * Its words (Whisper's leading space kept); the choice's text is its segments' texts in order.
+   *
+   * @generated from field: string text = 3;
+   */
+  text: string;
+
+  /**
+   * Its tokens, its timestamp tokens included, as Choice.token_ids holds them.
+   *
+   * @generated from field: repeated uint32 token_ids = 4;
+   */
+  tokenIds: number[];
+
+  /**
+   * Where its first token is in Choice.token_ids (to line its tokens up with Choice.logprobs).
+   *
+   * @generated from field: uint32 first_token = 5;
+   */
+  firstToken: number;
+
+  /**
+   * The start of the window it was decoded in (a clip over 30 s is decoded in windows), in 10 ms frames:
+   * Whisper's `seek`.
+   *
+   * @generated from field: uint32 seek = 6;
+   */
+  seek: number;
+};
+
+/**
+ * Describes the message ladle.v1.TranscriptionSegment.
+ * Use `create(TranscriptionSegmentSchema)` to create a new message.
+ */
+export const TranscriptionSegmentSchema: GenMessage<TranscriptionSegment> = /*@__PURE__*/
+  messageDesc(file_ladle_v1_types, 3);
+
+/**
  * TokenIds is a list of token ids (a message so it can sit in a oneof).
  *
  * @generated from message ladle.v1.TokenIds
@@ -168,7 +235,7 @@ export type TokenIds = Message<"ladle.v1.TokenIds"> & {
  * Use `create(TokenIdsSchema)` to create a new message.
  */
 export const TokenIdsSchema: GenMessage<TokenIds> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 3);
+  messageDesc(file_ladle_v1_types, 4);
 
 /**
  * ChatInput is a conversation plus the tools the model may call.
@@ -218,7 +285,7 @@ export type ChatInput = Message<"ladle.v1.ChatInput"> & {
  * Use `create(ChatInputSchema)` to create a new message.
  */
 export const ChatInputSchema: GenMessage<ChatInput> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 4);
+  messageDesc(file_ladle_v1_types, 5);
 
 /**
  * ChatMessage is one turn of a conversation.
@@ -277,7 +344,7 @@ export type ChatMessage = Message<"ladle.v1.ChatMessage"> & {
  * Use `create(ChatMessageSchema)` to create a new message.
  */
 export const ChatMessageSchema: GenMessage<ChatMessage> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 5);
+  messageDesc(file_ladle_v1_types, 6);
 
 /**
  * ContentPart is one piece of a chat turn's content.
@@ -322,7 +389,7 @@ export type ContentPart = Message<"ladle.v1.ContentPart"> & {
  * Use `create(ContentPartSchema)` to create a new message.
  */
 export const ContentPartSchema: GenMessage<ContentPart> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 6);
+  messageDesc(file_ladle_v1_types, 7);
 
 /**
  * Image is one image of a chat turn, as its encoded file (the gateway turns an OpenAI `image_url`, a data: URL or
@@ -344,7 +411,7 @@ export type Image = Message<"ladle.v1.Image"> & {
  * Use `create(ImageSchema)` to create a new message.
  */
 export const ImageSchema: GenMessage<Image> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 7);
+  messageDesc(file_ladle_v1_types, 8);
 
 /**
  * Audio is one audio clip of a chat turn, as its encoded file (the gateway turns an OpenAI `input_audio` part, its
@@ -367,7 +434,7 @@ export type Audio = Message<"ladle.v1.Audio"> & {
  * Use `create(AudioSchema)` to create a new message.
  */
 export const AudioSchema: GenMessage<Audio> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 8);
+  messageDesc(file_ladle_v1_types, 9);
 
 /**
  * Tool is a function the model may call.
@@ -409,7 +476,7 @@ export type Tool = Message<"ladle.v1.Tool"> & {
  * Use `create(ToolSchema)` to create a new message.
  */
 export const ToolSchema: GenMessage<Tool> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 9);
+  messageDesc(file_ladle_v1_types, 10);
 
 /**
  * ToolChoice controls tool calling.
@@ -446,7 +513,7 @@ export type ToolChoice = Message<"ladle.v1.ToolChoice"> & {
  * Use `create(ToolChoiceSchema)` to create a new message.
  */
 export const ToolChoiceSchema: GenMessage<ToolChoice> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 10);
+  messageDesc(file_ladle_v1_types, 11);
 
 /**
  * ToolCall is one function call made by the model.
@@ -481,7 +548,7 @@ export type ToolCall = Message<"ladle.v1.ToolCall"> & {
  * Use `create(ToolCallSchema)` to create a new message.
  */
 export const ToolCallSchema: GenMessage<ToolCall> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 11);
+  messageDesc(file_ladle_v1_types, 12);
 
 /**
  * ToolCallDelta is part of a tool call in a stream, as OpenAI streams them.
@@ -523,7 +590,7 @@ export type ToolCallDelta = Message<"ladle.v1.ToolCallDelta"> & {
  * Use `create(ToolCallDeltaSchema)` to create a new message.
  */
 export const ToolCallDeltaSchema: GenMessage<ToolCallDelta> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 12);
+  messageDesc(file_ladle_v1_types, 13);
 
 /**
  * SamplingParams say how tokens are picked. Fields marked optional distinguish "unset" (use the default)
@@ -688,7 +755,7 @@ export type SamplingParams = Message<"ladle.v1.SamplingParams"> & {
  * Use `create(SamplingParamsSchema)` to create a new message.
  */
 export const SamplingParamsSchema: GenMessage<SamplingParams> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 13);
+  messageDesc(file_ladle_v1_types, 14);
 
 /**
  * Constraint restricts the output to a formal language; the engine compiles it with xgrammar.
@@ -749,7 +816,7 @@ export type Constraint = Message<"ladle.v1.Constraint"> & {
  * Use `create(ConstraintSchema)` to create a new message.
  */
 export const ConstraintSchema: GenMessage<Constraint> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 14);
+  messageDesc(file_ladle_v1_types, 15);
 
 /**
  * ChoiceList is a list of allowed outputs.
@@ -770,7 +837,7 @@ export type ChoiceList = Message<"ladle.v1.ChoiceList"> & {
  * Use `create(ChoiceListSchema)` to create a new message.
  */
 export const ChoiceListSchema: GenMessage<ChoiceList> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 15);
+  messageDesc(file_ladle_v1_types, 16);
 
 /**
  * MatchedStop is what ended a choice with FINISH_REASON_STOP.
@@ -807,7 +874,7 @@ export type MatchedStop = Message<"ladle.v1.MatchedStop"> & {
  * Use `create(MatchedStopSchema)` to create a new message.
  */
 export const MatchedStopSchema: GenMessage<MatchedStop> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 16);
+  messageDesc(file_ladle_v1_types, 17);
 
 /**
  * Choice is one finished choice of a generation.
@@ -871,6 +938,13 @@ export type Choice = Message<"ladle.v1.Choice"> & {
    * @generated from field: string reasoning_content = 8;
    */
   reasoningContent: string;
+
+  /**
+   * A transcription's segments, in order, where it asked for timestamps (Transcription.timestamps).
+   *
+   * @generated from field: repeated ladle.v1.TranscriptionSegment segments = 9;
+   */
+  segments: TranscriptionSegment[];
 };
 
 /**
@@ -878,7 +952,7 @@ export type Choice = Message<"ladle.v1.Choice"> & {
  * Use `create(ChoiceSchema)` to create a new message.
  */
 export const ChoiceSchema: GenMessage<Choice> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 17);
+  messageDesc(file_ladle_v1_types, 18);
 
 /**
  * ChoiceDelta is what one choice produced since the previous stream message.
@@ -941,6 +1015,13 @@ export type ChoiceDelta = Message<"ladle.v1.ChoiceDelta"> & {
    * @generated from field: string reasoning_content = 8;
    */
   reasoningContent: string;
+
+  /**
+   * A transcription's segments (Choice.segments), all on the choice's last delta.
+   *
+   * @generated from field: repeated ladle.v1.TranscriptionSegment segments = 9;
+   */
+  segments: TranscriptionSegment[];
 };
 
 /**
@@ -948,7 +1029,7 @@ export type ChoiceDelta = Message<"ladle.v1.ChoiceDelta"> & {
  * Use `create(ChoiceDeltaSchema)` to create a new message.
  */
 export const ChoiceDeltaSchema: GenMessage<ChoiceDelta> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 18);
+  messageDesc(file_ladle_v1_types, 19);
 
 /**
  * PromptLogprobs are a prompt's tokens, each after the first with its log-probability given the tokens before it.
@@ -990,7 +1071,7 @@ export type PromptLogprobs = Message<"ladle.v1.PromptLogprobs"> & {
  * Use `create(PromptLogprobsSchema)` to create a new message.
  */
 export const PromptLogprobsSchema: GenMessage<PromptLogprobs> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 19);
+  messageDesc(file_ladle_v1_types, 20);
 
 /**
  * TokenLogprob is the log-probability of one generated token, with the best alternatives.
@@ -1047,7 +1128,7 @@ export type TokenLogprob = Message<"ladle.v1.TokenLogprob"> & {
  * Use `create(TokenLogprobSchema)` to create a new message.
  */
 export const TokenLogprobSchema: GenMessage<TokenLogprob> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 20);
+  messageDesc(file_ladle_v1_types, 21);
 
 /**
  * TopLogprob is one alternative at a position.
@@ -1089,7 +1170,7 @@ export type TopLogprob = Message<"ladle.v1.TopLogprob"> & {
  * Use `create(TopLogprobSchema)` to create a new message.
  */
 export const TopLogprobSchema: GenMessage<TopLogprob> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 21);
+  messageDesc(file_ladle_v1_types, 22);
 
 /**
  * Usage counts tokens for a request.
@@ -1138,7 +1219,7 @@ export type Usage = Message<"ladle.v1.Usage"> & {
  * Use `create(UsageSchema)` to create a new message.
  */
 export const UsageSchema: GenMessage<Usage> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 22);
+  messageDesc(file_ladle_v1_types, 23);
 
 /**
  * TranscriptionTask is what a Transcription writes.
