@@ -19,7 +19,13 @@ from engine_server.harmony import HarmonyStream
 from engine_server.multimodal.audio import AudioProcessing, PromptAudio
 from engine_server.multimodal.inputs import MultimodalInputs
 from engine_server.multimodal.processing import ImageProcessing, PromptImage
-from engine_server.multimodal.transcription import TranscriptionInfo, TranscriptionPrompt, WhisperTranscription
+from engine_server.multimodal.transcription import (
+    TimestampTokens,
+    TranscriptionInfo,
+    TranscriptionPrompt,
+    TranscriptionSegment,
+    WhisperTranscription,
+)
 from engine_server.output import OutputProcessor, TokenTextCodec
 from engine_server.output.types import FinishReason
 from engine_server.reasoning import (
@@ -138,6 +144,8 @@ class Choice:
     tool_call_deltas: list[ToolCallDelta] = field(default_factory=list)
     # A thinking model's reasoning, apart from `text` (`engine_server.reasoning`); a stream step's new part.
     reasoning_text: str = ""
+    # A transcription decoded with timestamps: its segments, once it finished (a stream step: its last).
+    segments: list[TranscriptionSegment] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,7 @@ class PreparedPrompt:
     harmony: bool = False  # the output is read as harmony (gpt-oss: `engine_server.harmony`), not by the two above
     multimodal: MultimodalInputs | None = None  # the prompt's images, their placeholders expanded in `token_ids`
     transcription: TranscriptionInfo | None = None  # a transcription's language and clip length
+    timestamps: TimestampTokens | None = None  # a transcription's timestamp tokens (kept out of its text; segments)
 
 
 @dataclass
@@ -335,8 +344,10 @@ class InputProcessor:
         room = self.max_model_len - len(found.token_ids)  # (Whisper's context: its `max_target_positions`)
         max_tokens = params.max_tokens if params.max_tokens is None else min(params.max_tokens, max(room, 1))
         params = dataclasses.replace(params, suppress_token_ids=found.suppress_token_ids, max_tokens=max_tokens,
-                                     begin_suppress_token_ids=found.begin_suppress_token_ids)  # fmt: skip
-        return PreparedPrompt(found.token_ids, params, multimodal=found.clip, transcription=found.info)
+                                     begin_suppress_token_ids=found.begin_suppress_token_ids,
+                                     timestamps=found.rules)  # fmt: skip
+        return PreparedPrompt(found.token_ids, params, multimodal=found.clip, transcription=found.info,
+                              timestamps=found.timestamps)  # fmt: skip
 
     def _chat_prompt(self, prompt: ChatPrompt) -> tuple[list[int], MultimodalInputs | None, str]:
         """A conversation's prompt ids (each image's or clip's placeholder expanded to its tokens), what its images or
@@ -482,9 +493,11 @@ class RequestTracker:
         harmony: bool = False,
         reasoning_tags: ReasoningTags = THINK,
         transcription: TranscriptionInfo | None = None,
+        timestamps: TimestampTokens | None = None,
     ) -> None:
         """`token_text` names tokens for logprobs; share one per tokenizer across requests (it caches).
-        `transcription` (from `PreparedPrompt`) goes on the result as it is.
+        `transcription` (from `PreparedPrompt`) goes on the result as it is; `timestamps` (from there too) are left out
+        of each choice's text, and where it reads segments a finished choice gets them (`Choice.segments`).
         `tool_parsing` (from `PreparedPrompt`) makes each choice's text go through a tool-call parser, and
         `reasoning` (from there too) first splits its reasoning off (written between `reasoning_tags`): the tool
         parser reads the content only.
@@ -496,7 +509,9 @@ class RequestTracker:
             request_id, prompt_token_ids, [Choice(i) for i in range(params.n)], Usage(len(prompt_token_ids)),
             transcription=transcription,
         )
-        self._processors = [OutputProcessor(tokenizer, prompt_token_ids, params) for _ in range(params.n)]
+        self._timestamps = timestamps
+        silent = None if timestamps is None else timestamps.begin
+        self._processors = [OutputProcessor(tokenizer, prompt_token_ids, params, silent) for _ in range(params.n)]
         self._tool_parsing = tool_parsing
         self._harmony = [HarmonyStream(tool_parsing is not None) if harmony else None for _ in range(params.n)]
         self._tool_streams = [
@@ -555,8 +570,12 @@ class RequestTracker:
         choice.token_ids.extend(delta.token_ids)
         if logprobs is not None:
             choice.logprobs = (choice.logprobs or []) + logprobs
+        segments: list[TranscriptionSegment] = []
         if delta.finished and choice.finish_reason is None:
             choice.finish_reason, choice.matched_stop = reason, matched
+            if self._timestamps is not None and self._timestamps.segments:
+                stop = matched if isinstance(matched, int) else None
+                choice.segments = segments = self._timestamps.read(choice.token_ids, stop, self._decode)
         usage = self.result.usage
         usage.completion_tokens += len(delta.token_ids)
         if choice_index == 0:
@@ -566,7 +585,7 @@ class RequestTracker:
                 self.result.timeline = output.timeline
         step = Choice(
             choice_index, text, delta.token_ids, choice.finish_reason, choice.matched_stop, logprobs,
-            tool_call_deltas=call_deltas, reasoning_text=reasoning_text,
+            tool_call_deltas=call_deltas, reasoning_text=reasoning_text, segments=segments,
         )
         return step, delta.abort_core
 
@@ -636,7 +655,8 @@ def joined_results(results: Sequence[GenerationResult], duration_seconds: float)
     """One result of a long clip's windows' `results` (`multimodal.clip_windows`; in order, one choice each): each
     choice's text concatenated (`window_separator` between), token ids and logprobs concatenated, prompt ids
     concatenated, usage summed (prompt, completion, cached, reasoning tokens), the finish reason "length" where any
-    finished window ran out of tokens, else the last window's (None while it runs), the transcription info the first
+    finished window ran out of tokens, else the last window's (None while it runs), segments concatenated (each its
+    place in the joined tokens: `TranscriptionSegment.shifted`), the transcription info the first
     window's with the whole clip's `duration_seconds`, no prompt logprobs (None), the request id and timeline the
     first's and the last's."""
     first = results[0]
@@ -649,8 +669,12 @@ def joined_results(results: Sequence[GenerationResult], duration_seconds: float)
         reason = parts[-1].finish_reason
         if reason is not None and any(p.finish_reason == FinishReason.LENGTH for p in parts):
             reason = FinishReason.LENGTH
+        segments, before = [], 0
+        for part in parts:
+            segments += [segment.shifted(before) for segment in part.segments]
+            before += len(part.token_ids)
         choices.append(Choice(index, text, [t for p in parts for t in p.token_ids], reason, parts[-1].matched_stop,
-                              logprobs))  # fmt: skip
+                              logprobs, segments=segments))  # fmt: skip
     usage = Usage(sum(r.usage.prompt_tokens for r in results), sum(r.usage.completion_tokens for r in results),
                   sum(r.usage.cached_prompt_tokens for r in results), sum(r.usage.reasoning_tokens for r in results))
     info = first.transcription

@@ -26,6 +26,21 @@ SEED_LIMIT = 2**63  # seeds live in [0, 2**63): what torch.Generator.manual_seed
 
 
 @dataclass(frozen=True)
+class TimestampRules:
+    """Whisper's timestamp rules (`Transcription.timestamps`), as transformers' `WhisperTimeStampLogitsProcessor`
+    holds a decode to them; set by the engine, not a caller. Ids from `begin` up are timestamps (`<|0.00|>` and on);
+    `no_timestamps` is never sampled; the first output is a timestamp, at most `max_initial` past `begin` (None: any);
+    timestamps come in pairs (an opening one is followed by text, a closing one by a timestamp or the end, which is any
+    id from `eos` to `begin`) and never go back; and where the timestamps together are likelier than the likeliest
+    other token, a timestamp is sampled."""
+
+    begin: int
+    eos: int
+    no_timestamps: int
+    max_initial: int | None = None
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request. Defaults are the OpenAI semantic defaults.
 
@@ -66,6 +81,7 @@ class SamplingParams:
     # `begin_suppress_tokens`, as transformers' generate applies them: held at -inf); set by the engine, not a caller.
     suppress_token_ids: tuple[int, ...] = ()
     begin_suppress_token_ids: tuple[int, ...] = ()
+    timestamps: TimestampRules | None = None  # a Whisper decode with timestamps (set by the engine)
 
     @property
     def greedy(self) -> bool:

@@ -11,6 +11,11 @@ transformers' `detect_language`). Its outputs have generation_config's `suppress
 `begin_suppress_tokens` at the first (`SamplingParams.suppress_token_ids`, `begin_suppress_token_ids`), as `generate`
 does. A clip longer than the encoder's window (30 s) is served as its windows (`WhisperTranscription.windows`,
 `clip_windows`), each a transcription of its own, up to `max_clip_seconds`. Runs in the frontend, off the step loop.
+
+With `TranscriptionPrompt.timestamps` the prompt leaves `<|notimestamps|>` out and the decode keeps to Whisper's
+timestamp rules (`SamplingParams.timestamps`, transformers' `WhisperTimeStampLogitsProcessor`); its output reads as
+segments (`TimestampTokens.segments`). Timestamp tokens never reach a transcription's text, as transformers' `decode`
+filters them (`TimestampTokens.begin`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import dataclasses
 import functools
 import io
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,11 +33,14 @@ from engine_server.errors import ValidationError
 from engine_server.multimodal.audio import PromptAudio, decoded_clip
 from engine_server.multimodal.clip_windows import split_clip, window_wav
 from engine_server.multimodal.inputs import ImageSpan, MultimodalInputs, image_digest
+from engine_server.sampling_params import TimestampRules
 
 _PROCESSOR_CONFIG = "preprocessor_config.json"
 _GENERATION_CONFIG = "generation_config.json"
 _TASKS = ("transcribe", "translate")
 MAX_CLIP_SECONDS = 3600.0  # the longest clip served (in windows: `WhisperTranscription.windows`)
+TIME_PRECISION = 0.02  # seconds between two of Whisper's timestamp tokens (its 30 s over 1,500 encoder frames)
+FRAMES_PER_SECOND = 100  # Whisper's `seek` unit: the feature extractor's 10 ms hop
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,8 @@ class TranscriptionPrompt:
     language: str = ""
     task: str = "transcribe"
     prompt: str = ""
+    timestamps: bool = False  # decode with timestamp tokens: the output reads as segments
+    offset_seconds: float = 0.0  # where this clip starts in the caller's (a window's: `WhisperTranscription.windows`)
 
 
 @dataclass(frozen=True)
@@ -54,15 +65,89 @@ class TranscriptionInfo:
 
 
 @dataclass(frozen=True)
+class TranscriptionSegment:
+    """A stretch of speech between two timestamp tokens: its seconds into the clip, its text (Whisper's leading space
+    kept), its tokens (its timestamps included), where the first sits in the choice's tokens, and its window's start
+    in 10 ms frames (Whisper's `seek`)."""
+
+    start: float
+    end: float
+    text: str
+    token_ids: tuple[int, ...]
+    first_token: int
+    seek: int
+
+    def shifted(self, tokens: int) -> TranscriptionSegment:
+        """This segment of a window whose choice follows `tokens` other tokens in a joined choice."""
+        return dataclasses.replace(self, first_token=self.first_token + tokens)
+
+
+@dataclass(frozen=True)
+class TimestampTokens:
+    """A transcription's timestamp tokens: the ids from `begin` up, `TIME_PRECISION` seconds apart (its text leaves
+    them out). Where `segments` (`Transcription.timestamps`), its output reads as segments of its window
+    (`offset_seconds` into the clip, `window_seconds` long: `read`)."""
+
+    begin: int
+    segments: bool = False
+    offset_seconds: float = 0.0
+    window_seconds: float = 0.0
+
+    def read(
+        self, token_ids: Sequence[int], stop_token: int | None, decode: Callable[[list[int]], str]
+    ) -> list[TranscriptionSegment]:
+        """The segments of a decode's `token_ids` (its `stop_token` last, where it ended on one: in no segment), as
+        transformers' `_compute_offsets` reads them: each opening timestamp, the text after it and the closing
+        timestamp after that. A segment whose decode stopped before its closing timestamp ends at the window's end
+        (its text is kept; transformers drops it), an opening timestamp with no text after it is none, and no time
+        goes past the window's end. Texts are `decode`d (special tokens skipped)."""
+        ids = list(token_ids[:-1] if stop_token is not None and token_ids and token_ids[-1] == stop_token
+                   else token_ids)  # fmt: skip
+        found: list[TranscriptionSegment] = []
+        start: float | None = None
+        first = 0
+        for index, token in enumerate(ids):
+            if token < self.begin:
+                if start is None:  # text with no timestamp before it (not under the rules): from the last end
+                    start, first = (found[-1].end - self.offset_seconds if found else 0.0), index
+                continue
+            seconds = (token - self.begin) * TIME_PRECISION
+            if start is None:
+                start, first = seconds, index
+                continue
+            found.extend(self._segment(ids, first, index + 1, start, seconds, decode))
+            start = None
+        if start is not None:
+            found.extend(self._segment(ids, first, len(ids), start, self.window_seconds, decode))
+        return found
+
+    def _segment(
+        self, ids: list[int], first: int, end: int, start: float, stop: float, decode: Callable[[list[int]], str]
+    ) -> list[TranscriptionSegment]:
+        """The segment of `ids[first:end]`, `start` to `stop` seconds into the window ([] where it holds no text)."""
+        tokens = ids[first:end]
+        words = [token for token in tokens if token < self.begin]
+        if not words:
+            return []
+        start, stop = min(start, self.window_seconds), min(max(stop, start), self.window_seconds)
+        return [TranscriptionSegment(round(self.offset_seconds + start, 3), round(self.offset_seconds + stop, 3),
+                                     decode(words), tuple(tokens), first,
+                                     round(self.offset_seconds * FRAMES_PER_SECOND))]  # fmt: skip
+
+
+@dataclass(frozen=True)
 class PreparedTranscription:
-    """A transcription's decoder prompt, its clip as the encoder takes it, what its caller learns, and the tokens its
-    outputs suppress (always; at the first output)."""
+    """A transcription's decoder prompt, its clip as the encoder takes it, what its caller learns, the tokens its
+    outputs suppress (always; at the first output), its timestamp rules (None: it decodes without) and its timestamp
+    tokens (None: the vocabulary has none)."""
 
     token_ids: list[int]
     clip: MultimodalInputs
     info: TranscriptionInfo
     suppress_token_ids: tuple[int, ...]
     begin_suppress_token_ids: tuple[int, ...]
+    rules: TimestampRules | None = None
+    timestamps: TimestampTokens | None = None
 
 
 class WhisperTranscription:
@@ -94,6 +179,14 @@ class WhisperTranscription:
         self.suppress = tuple(int(t) for t in generation.get("suppress_tokens") or ())
         self.begin_suppress = tuple(int(t) for t in generation.get("begin_suppress_tokens") or ())
         self.special_ids = frozenset(int(i) for i in tokenizer.all_special_ids) | frozenset(self.languages.values())
+        # Timestamp tokens follow `<|notimestamps|>` (`<|0.00|>` first), as transformers' processor counts them; a
+        # vocabulary without them decodes without timestamps only.
+        begin = self.no_timestamps + 1
+        self.timestamp_begin = begin if tokenizer.convert_ids_to_tokens(begin) == "<|0.00|>" else None
+        eos = generation.get("eos_token_id") or generation.get("bos_token_id") or tokenizer.eos_token_id
+        self.eos = int(eos[0] if isinstance(eos, list) else eos)
+        initial = generation.get("max_initial_timestamp_index")
+        self.max_initial_timestamp = None if initial is None else int(initial)
 
     @classmethod
     def for_model(
@@ -135,19 +228,29 @@ class WhisperTranscription:
         if prompt.task not in _TASKS or (self.english_only and prompt.task != "transcribe"):
             served = "transcribe (an English-only model)" if self.english_only else ", ".join(_TASKS)
             raise ValidationError(f"task {prompt.task!r} is not served: {served}", "input.transcription.task")
+        if prompt.timestamps and self.timestamp_begin is None:
+            raise ValidationError("this Whisper model has no timestamp tokens (<|0.00|> after <|notimestamps|>): it "
+                                  "decodes without timestamps only", "input.transcription.timestamps")  # fmt: skip
         clip, info = self._clip(prompt.audio, language)
-        if self.english_only:
-            ids = [*self._previous_text(prompt.prompt), self.start, self.no_timestamps]
-        else:
-            ids = [*self._previous_text(prompt.prompt), self.start, self.languages[f"<|{language}|>"],
-                   self.tasks[prompt.task], self.no_timestamps]  # fmt: skip
-        return PreparedTranscription(ids, clip, info, self.suppress, self.begin_suppress)
+        ids = [*self._previous_text(prompt.prompt), self.start]
+        if not self.english_only:
+            ids += [self.languages[f"<|{language}|>"], self.tasks[prompt.task]]
+        if not prompt.timestamps:
+            ids.append(self.no_timestamps)
+        if self.timestamp_begin is None:
+            return PreparedTranscription(ids, clip, info, self.suppress, self.begin_suppress)
+        rules = TimestampRules(self.timestamp_begin, self.eos, self.no_timestamps, self.max_initial_timestamp)
+        timestamps = TimestampTokens(self.timestamp_begin, prompt.timestamps, prompt.offset_seconds,
+                                     info.duration_seconds)  # fmt: skip
+        return PreparedTranscription(ids, clip, info, self.suppress, self.begin_suppress,
+                                     rules if prompt.timestamps else None, timestamps)  # fmt: skip
 
     def windows(self, prompt: TranscriptionPrompt) -> tuple[list[TranscriptionPrompt], float] | None:
         """None where `prompt`'s clip fits the encoder's window (`max_seconds`: it runs as it is, `prepare`), or is no
         audio (refused by `prepare`); else its windows (`clip_windows.split_clip` on the clip decoded once at the
         model's rate, each a float32 WAV of its own: its own digest) as transcriptions of their own with `prompt`'s
-        language, task and previous text, and the whole clip's seconds. ValidationError for a clip longer than
+        language, task, previous text and timestamps, each with its start in the clip (`offset_seconds`), and the whole
+        clip's seconds. ValidationError for a clip longer than
         `max_clip_seconds` (named with its length)."""
         import soundfile
 
@@ -160,7 +263,8 @@ class WhisperTranscription:
         samples, seconds = decoded_clip(PromptAudio(prompt.audio, "input.transcription.audio"), self.sampling_rate,
                                         self.max_clip_seconds)  # fmt: skip
         cuts = split_clip(samples, self.sampling_rate, self.max_seconds)
-        return [dataclasses.replace(prompt, audio=window_wav(samples[start:end], self.sampling_rate))
+        return [dataclasses.replace(prompt, audio=window_wav(samples[start:end], self.sampling_rate),
+                                    offset_seconds=prompt.offset_seconds + start / self.sampling_rate)
                 for start, end in cuts], seconds  # fmt: skip
 
     def detection(self, prompt: TranscriptionPrompt, vocab_size: int) -> PreparedTranscription:

@@ -71,8 +71,12 @@ class IncrementalDetokenizer:
         tokenizer: PreTrainedTokenizerBase,
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
+        silent_from: int | None = None,
     ) -> None:
+        """`silent_from`: ids from it up give no text and split it (Whisper's timestamp tokens, which transformers'
+        `decode` filters out: `_add_around_silent`); None: every id is text."""
         self._decode = make_decode(tokenizer, skip_special_tokens)
+        self._silent_from = silent_from
         self._context_free = is_context_free(tokenizer)
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         context_text = self._decode(context) if context else ""
@@ -86,6 +90,8 @@ class IncrementalDetokenizer:
 
     def add(self, new_token_ids: Sequence[int]) -> str:
         """Appends tokens; returns the text that became stable (possibly "")."""
+        if self._silent_from is not None and any(token >= self._silent_from for token in new_token_ids):
+            return self._add_around_silent(new_token_ids)
         if not new_token_ids:
             return ""
         self._window.extend(new_token_ids)
@@ -94,6 +100,21 @@ class IncrementalDetokenizer:
             # Nothing visible yet (a skipped special token) or a character is still incomplete.
             return ""
         return self._emit(text)
+
+    def _add_around_silent(self, new_token_ids: Sequence[int]) -> str:
+        """`add` for tokens some of which are silent: each silent token gives no text and ends the run of tokens
+        before it (its held-back bytes flushed), so the runs decode apart, as a full decode with the silent tokens
+        as added tokens then filtered out of the text would have them (transformers' Whisper `decode`)."""
+        assert self._silent_from is not None
+        text, run = "", list[int]()
+        for token in new_token_ids:
+            if token < self._silent_from:
+                run.append(token)
+                continue
+            text += self.add(run) + self.flush()
+            run = []
+            self._window, self._read_offset, self._prefix_text = [], 0, ""
+        return text + self.add(run)
 
     def flush(self) -> str:
         """Returns all held-back text, incomplete characters included (as U+FFFD). Call once at finish."""

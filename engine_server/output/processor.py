@@ -39,8 +39,10 @@ class OutputProcessor:
         tokenizer: PreTrainedTokenizerBase,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
+        silent_from: int | None = None,
     ) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        """`silent_from`: token ids from it up give no text (a transcription's timestamp tokens); None: every id's."""
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens, silent_from)
         self._stops = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from engine_server.sampling.noise import row_keys
-from engine_server.sampling_params import SamplingParams
+from engine_server.sampling_params import SamplingParams, TimestampRules
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,6 +84,7 @@ class SamplingMetadata:
     min_p: torch.Tensor | None  # [B]; 0.0 for rows without min-p
     logit_bias: SparseTokens | None
     banned: SparseTokens | None  # min_tokens: eos / stop ids held at -inf; suppressed tokens
+    timestamps: RowSubset | None  # values (bans [b, 3, 2] int64 [start, end) ranges, first timestamp ids [b])
     repetition: RowSubset | None  # values (penalty,); tokens of prompt + output
     presence_frequency: RowSubset | None  # values (presence, frequency); tokens of the output
     bitmask: RowSubset | None  # values (masks [b, W] int32,)
@@ -96,7 +97,9 @@ class SamplingMetadata:
         """Whether any step before the greedy/sampling split changes logits (so they must be copied)."""
         return any(
             f is not None
-            for f in (self.logit_bias, self.banned, self.repetition, self.presence_frequency, self.bitmask)
+            for f in (
+                self.logit_bias, self.banned, self.timestamps, self.repetition, self.presence_frequency, self.bitmask
+            )
         )
 
     @property
@@ -138,6 +141,7 @@ class SamplingMetadata:
             min_p=_staged(stage, _per_row(rows, greedy, lambda p: p.min_p, 0.0)),
             logit_bias=_logit_bias(stage, rows),
             banned=_min_tokens_bans(stage, rows),
+            timestamps=_timestamps(stage, rows, vocab_size),
             repetition=_repetition(stage, rows),
             presence_frequency=_presence_frequency(stage, rows),
             bitmask=_bitmask(stage, rows),
@@ -267,6 +271,44 @@ def _min_tokens_bans(stage: _Stager, rows: Sequence[SamplingRow]) -> SparseToken
     if not row_ids:
         return None
     return SparseTokens(stage(row_ids, np.int64), stage(token_ids, np.int64))
+
+
+def _timestamps(stage: _Stager, rows: Sequence[SamplingRow], vocab_size: int) -> RowSubset | None:
+    """The rows decoding with Whisper's timestamps (`SamplingParams.timestamps`): the token ranges their rules hold
+    at -inf this step (`timestamp_bans`) and their first timestamp ids; the likelihood rule needs the logits and
+    runs in the sampler."""
+    picked = [(i, row.params.timestamps) for i, row in enumerate(rows) if row.params.timestamps is not None]
+    if not picked:
+        return None
+    bans = np.asarray([timestamp_bans(rules, rows[i].output_token_ids, vocab_size) for i, rules in picked],
+                      dtype=np.int64)  # fmt: skip
+    subset = None if len(picked) == len(rows) else stage([i for i, _ in picked], np.int64)
+    return RowSubset(rows=subset, values=(stage.array(bans), stage([rules.begin for _, rules in picked], np.int64)))
+
+
+def timestamp_bans(rules: TimestampRules, outputs: Sequence[int], vocab_size: int) -> list[tuple[int, int]]:
+    """The three [start, end) token ranges that `rules` hold at -inf after `outputs` ((0, 0): none), as transformers'
+    `WhisperTimeStampLogitsProcessor` masks them: `<|notimestamps|>`; then at the first output every text token and
+    the timestamps past `max_initial`; later, after an opening timestamp (one after another, or the first output)
+    every timestamp, after a closing one every text token below eos, and the timestamps below the last one (below it
+    plus one where it opened a segment)."""
+    begin = rules.begin
+    banned = [(rules.no_timestamps, rules.no_timestamps + 1)]
+    if not outputs:
+        last = vocab_size if rules.max_initial is None else min(begin + rules.max_initial + 1, vocab_size)
+        return [*banned, (0, begin), (last, vocab_size)]
+    last_timestamp = outputs[-1] >= begin
+    after_timestamp = len(outputs) < 2 or outputs[-2] >= begin
+    if last_timestamp:
+        banned.append((begin, vocab_size) if after_timestamp else (0, rules.eos))
+    else:
+        banned.append((0, 0))
+    latest = next((token for token in reversed(outputs) if token >= begin), None)
+    if latest is None:
+        banned.append((0, 0))
+    else:
+        banned.append((begin, latest if last_timestamp and not after_timestamp else latest + 1))
+    return banned
 
 
 def _token_subset(

@@ -4,7 +4,7 @@ Order of processing, each step only when some row of the batch uses it:
   1. logit_bias is added.
   2. min_tokens: while a row has fewer than min_tokens outputs, its eos ids (unless ignore_eos) and its
      stop_token_ids are set to -inf; its suppress_token_ids always, its begin_suppress_token_ids before its first
-     output (Whisper's).
+     output (Whisper's); Whisper's timestamp rules (`SamplingParams.timestamps`).
   3. repetition penalty (Hugging Face semantics) over the prompt and output tokens.
   4. presence / frequency penalties (OpenAI semantics) over the output tokens only.
   5. the grammar bitmask (disallowed tokens to -inf).
@@ -161,6 +161,8 @@ class Sampler:
             # new_full fills on the device; torch.tensor(-inf, device=cuda) would be a blocking host copy.
             neg_inf = logits.new_full((1,), _NEG_INF)
             logits.index_put_((meta.banned.rows, meta.banned.token_ids), neg_inf)
+        if meta.timestamps is not None:
+            _on_subset(logits, meta.timestamps, _timestamps_)
         if meta.repetition is not None:
             _on_subset(logits, meta.repetition, _repetition_)
         if meta.presence_frequency is not None:
@@ -218,6 +220,21 @@ def _token_counts(sub: torch.Tensor, subset: RowSubset) -> torch.Tensor:
     flat = subset.token_rows * sub.shape[1] + subset.token_ids
     counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=sub.dtype))
     return counts
+
+
+def _timestamps_(sub: torch.Tensor, subset: RowSubset) -> None:
+    """Whisper's timestamp rules (`metadata.timestamp_bans`' ranges to -inf), then: where a row's timestamps together
+    are likelier than its likeliest other token, its other tokens to -inf (transformers'
+    `WhisperTimeStampLogitsProcessor`)."""
+    bans, begins = subset.values
+    columns = torch.arange(sub.shape[1], device=sub.device)
+    banned = ((columns >= bans[:, :, :1]) & (columns < bans[:, :, 1:])).any(dim=1)
+    sub.masked_fill_(banned, _NEG_INF)
+    timestamp = columns >= begins.unsqueeze(1)
+    logprobs = sub.log_softmax(dim=-1)
+    timestamps_logprob = logprobs.masked_fill(~timestamp, _NEG_INF).logsumexp(dim=-1)
+    best_other = logprobs.masked_fill(timestamp, _NEG_INF).amax(dim=-1)
+    sub.masked_fill_(~timestamp & (timestamps_logprob > best_other).unsqueeze(1), _NEG_INF)
 
 
 def _repetition_(sub: torch.Tensor, subset: RowSubset) -> None:

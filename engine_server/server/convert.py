@@ -36,7 +36,7 @@ from engine_server.frontend import (
 )
 from engine_server.generation_defaults import GenerationDefaults
 from engine_server.lora.registry import ServedAdapter
-from engine_server.multimodal.transcription import TranscriptionInfo, TranscriptionPrompt
+from engine_server.multimodal.transcription import TranscriptionInfo, TranscriptionPrompt, TranscriptionSegment
 from engine_server.output.types import FinishReason
 from engine_server.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
 from engine_server.server.engine_loop import EngineInternalError, LoadSnapshot
@@ -155,7 +155,8 @@ def transcription_prompt(message: types_pb2.Transcription) -> TranscriptionPromp
         raise ValidationError("a transcription needs its audio clip (audio.data)", "input.transcription.audio")
     if message.task not in _TASKS:
         raise ValidationError(f"unknown transcription task {message.task}", "input.transcription.task")
-    return TranscriptionPrompt(message.audio.data, message.language, _TASKS[message.task], message.prompt)
+    return TranscriptionPrompt(message.audio.data, message.language, _TASKS[message.task], message.prompt,
+                               message.timestamps)
 
 
 def chat_prompt(chat: types_pb2.ChatInput) -> ChatPrompt:
@@ -313,13 +314,20 @@ def delta_message(delta: Choice) -> types_pb2.ChoiceDelta:
 
 def _set_choice_fields(message: types_pb2.Choice | types_pb2.ChoiceDelta, choice: Choice) -> None:
     """The fields a whole choice and a delta of one share: index, text, reasoning, token ids, finish reason,
-    logprobs."""
+    logprobs, a transcription's segments."""
     message.index = choice.index
     message.text = choice.text
     message.reasoning_content = choice.reasoning_text
     message.token_ids.extend(choice.token_ids)
     message.finish_reason = finish_reason(choice.finish_reason)
     message.logprobs.extend(logprob_message(lp) for lp in choice.logprobs or ())
+    message.segments.extend(segment_message(segment) for segment in choice.segments)
+
+
+def segment_message(segment: TranscriptionSegment) -> types_pb2.TranscriptionSegment:
+    return types_pb2.TranscriptionSegment(start_seconds=segment.start, end_seconds=segment.end, text=segment.text,
+                                          token_ids=segment.token_ids, first_token=segment.first_token,
+                                          seek=segment.seek)  # fmt: skip
 
 
 def tool_call_message(call: ToolCall) -> types_pb2.ToolCall:

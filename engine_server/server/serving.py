@@ -366,7 +366,7 @@ class ServingEngine:
         )  # fmt: skip
         tracker = RequestTracker(
             self.tokenizer, request.request_id, prompt_ids, params, self.token_text, prepared.tool_parsing,
-            prepared.reasoning, prepared.harmony, prepared.reasoning_tags, prepared.transcription,
+            prepared.reasoning, prepared.harmony, prepared.reasoning_tags, prepared.transcription, prepared.timestamps,
         )
         stream = self.loop.add(internal_id, core_requests, final_only=whole and not tracker.needs_every_step,
                                wait=wait)
@@ -394,7 +394,8 @@ class ServingEngine:
         same deadline and priority, the language detected once on the first window where none is given; window 0's
         updates are yielded as they come, then window 1's (buffered meanwhile), and so on, each update's result the
         join so far (`frontend.joined_results`: finished windows and the running one) and its deltas the
-        window's (the first of a later window led by `frontend.window_separator`), `finished` on the last window's last.
+        window's (the first of a later window led by `frontend.window_separator`; a later window's segments placed in
+        the joined choice's tokens), `finished` on the last window's last.
         Closing early, an error or the deadline in any window aborts every window."""
         windows, seconds = windowed
         if self.inputs.needs_language(windows[0]):
@@ -428,6 +429,10 @@ class ServingEngine:
                             delta, text=window_separator(before[delta.index].text, delta.text) + delta.text)
                             for delta in deltas]  # fmt: skip
                         led |= {delta.index for delta in deltas if delta.text}
+                    if index and any(delta.segments for delta in deltas):  # (their first tokens: the joined choice's)
+                        deltas = [dataclasses.replace(delta, segments=[
+                            segment.shifted(sum(len(r.choices[delta.index].token_ids) for r in done))
+                            for segment in delta.segments]) for delta in deltas]  # fmt: skip
                     last = item.finished and index == len(windows) - 1
                     yield StepUpdate(deltas, joined_results([*done, item.result], seconds), finished=last)
                     if item.finished:

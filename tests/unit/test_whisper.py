@@ -36,15 +36,16 @@ LANGUAGES = ("en", "de", "fr", "es")
 _SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", *[f"<|{code}|>" for code in LANGUAGES], "<|translate|>",
              "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"]  # fmt: skip
 _MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("Ġ", "a"), ("a", "t"), ("Ġ", "c"), ("Ġc", "at")]
+TIMESTAMPS = [f"<|{i * 0.02:.2f}|>" for i in range(1501)]  # <|0.00|> to <|30.00|>
 NEW_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
 # A previous text long enough for a whole KV block of the prompt (16 tokens) before the clip's tokens.
 PREVIOUS = "the cat sat at the mat, the hat at the cat"
 
 
-def whisper_tokenizer(folder: Path) -> Any:
-    """A `WhisperTokenizer` over a byte-level vocabulary (every byte, a few merges) and Whisper's special tokens, saved
-    in `folder`."""
+def whisper_tokenizer(folder: Path, timestamps: bool = False) -> Any:
+    """A `WhisperTokenizer` over a byte-level vocabulary (every byte, a few merges), Whisper's special tokens and
+    (`timestamps`) its timestamp tokens, saved in `folder`."""
     import transformers
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -53,15 +54,18 @@ def whisper_tokenizer(folder: Path) -> Any:
         vocab[first + second] = len(vocab)
     tokenizer = transformers.WhisperTokenizer(vocab=vocab, merges=_MERGES)
     tokenizer.add_special_tokens({"additional_special_tokens": _SPECIALS})
+    if timestamps:
+        tokenizer.add_tokens(TIMESTAMPS)  # (after `<|notimestamps|>`, not special: as Whisper's own vocabularies)
     tokenizer.save_pretrained(folder)
     return tokenizer
 
 
-def save_whisper(folder: Path) -> Any:
-    """A tiny Whisper checkpoint saved in `folder` as transformers saves it; returns the model."""
+def save_whisper(folder: Path, timestamps: bool = False) -> Any:
+    """A tiny Whisper checkpoint saved in `folder` as transformers saves it (with `timestamps`, its vocabulary has
+    Whisper's timestamp tokens: `test_whisper_timestamps`); returns the model."""
     import transformers
 
-    tokenizer = whisper_tokenizer(folder)
+    tokenizer = whisper_tokenizer(folder, timestamps)
     ids = {token: int(tokenizer.convert_tokens_to_ids(token)) for token in _SPECIALS}
     eos = ids["<|endoftext|>"]
     config = transformers.WhisperConfig(
@@ -86,6 +90,7 @@ def save_whisper(folder: Path) -> Any:
         task_to_id={"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]},
         no_timestamps_token_id=ids["<|notimestamps|>"], prev_sot_token_id=ids["<|startofprev|>"],
         is_multilingual=True, suppress_tokens=[5, 88], begin_suppress_tokens=[220, eos, 107, 50], max_length=64,
+        max_initial_timestamp_index=50,
     )  # fmt: skip
     generation.save_pretrained(folder)
     model.generation_config = generation
@@ -116,6 +121,30 @@ def reference(
     ids = [*previous, generation.decoder_start_token_id, language, generation.task_to_id[prompt.task],
            generation.no_timestamps_token_id]  # fmt: skip
     return ids, [int(t) for t in out[0]]
+
+
+def reference_timestamps(
+    folder: Path, model: Any, prompt: TranscriptionPrompt, new: int = NEW_TOKENS
+) -> tuple[list[int], list[int]]:
+    """transformers' decoder prompt (`reference`'s, without `<|notimestamps|>` where `prompt.timestamps`; `prompt`
+    names its language) and greedy tokens of one decode (under its `WhisperTimeStampLogitsProcessor` where
+    `prompt.timestamps`, after the generation config's suppressions, as Whisper's `generate` orders them), through
+    `GenerationMixin.generate`: the one decode a window gets. (Whisper's own `generate` decodes again from a timestamp
+    the model writes, its sequential decoding, which a random model's timestamps set off.)"""
+    from transformers import GenerationMixin, LogitsProcessorList, WhisperFeatureExtractor
+    from transformers.generation.logits_process import WhisperTimeStampLogitsProcessor
+
+    ids = reference(folder, model, prompt, new=1)[0]  # (its language given: no detection)
+    if prompt.timestamps:
+        ids = ids[:-1]
+    extractor = WhisperFeatureExtractor.from_pretrained(folder)
+    features = extractor(heard(prompt.audio), sampling_rate=16_000, return_tensors="pt").input_features
+    rules = [WhisperTimeStampLogitsProcessor(model.generation_config, len(ids))] if prompt.timestamps else []
+    with torch.inference_mode():
+        out = GenerationMixin.generate(model, input_features=features, decoder_input_ids=torch.tensor([ids]),
+                                       logits_processor=LogitsProcessorList(rules), max_new_tokens=new,
+                                       do_sample=False)  # fmt: skip
+    return ids, [int(t) for t in out[0, len(ids):]]
 
 
 @pytest.fixture(scope="module")
