@@ -118,6 +118,27 @@ def test_a_decodes_tokens_read_as_transformers_reads_its_segments(tmp_path: Path
     assert TimestampTokens(begin, True, 0.0, 30.0).read([begin, eos], eos, decode) == []
 
 
+def test_timestamp_tokens_split_a_texts_decode_as_transformers_decode_does(tmp_path: Path) -> None:
+    """A character's bytes on either side of a timestamp token: the detokenizer gives transformers' `decode` of the
+    whole (each side decoded apart, its broken bytes as U+FFFD, the timestamp left out), whole and token by token; a
+    request decoding with timestamps needs its outputs on the host before each step (no step runs ahead)."""
+    from engine_server.core.request import Request
+    from engine_server.output.detokenizer import IncrementalDetokenizer
+
+    tokenizer = whisper_tokenizer(tmp_path, timestamps=True)
+    begin = tokenizer.convert_tokens_to_ids("<|0.00|>")
+    first, second = tokenizer.encode(" é", add_special_tokens=False)[-2:]  # (its two bytes, one token each)
+    ids = [*tokenizer.encode(" the", add_special_tokens=False), first, begin + 7, second, begin + 9, first, second]
+    expected = tokenizer.decode(ids, skip_special_tokens=True)
+    assert "\ufffd" in expected and expected.endswith("é")
+    whole = IncrementalDetokenizer(tokenizer, [], silent_from=begin)
+    assert whole.add(ids) + whole.flush() == expected
+    each = IncrementalDetokenizer(tokenizer, [], silent_from=begin)
+    assert "".join(each.add([token]) for token in ids) + each.flush() == expected
+    params = SamplingParams(temperature=0.0, timestamps=RULES)
+    assert Request("r", [1, 2], params, max_model_len=64).needs_output_history
+
+
 @pytest.fixture(scope="module")
 def whisper(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     folder = tmp_path_factory.mktemp("whisper")
