@@ -1,12 +1,14 @@
-"""Speech to text end to end: a tiny random Whisper checkpoint as transformers saves it (tests/unit/test_whisper.py)
-behind `ladle engine --quantization none` and `ladle gateway`, through the official openai SDK's
-`audio.transcriptions` and `audio.translations` and through the engine's own gRPC API. Every answer is transformers'
-greedy `generate` for the clip as the engine hears it: a given language, a detected one (verbose_json names it), a
-translation, a stream whose deltas add up to the text. A chat sent to the Whisper engine, and a transcription sent to
-a text model's engine, are 400s naming what each serves."""
+"""Speech to text end to end: a tiny random Whisper checkpoint as transformers saves it, with Whisper's timestamp tokens
+(tests/unit/test_whisper.py) behind `ladle engine --quantization none` and `ladle gateway`, through the official openai
+SDK's `audio.transcriptions` and `audio.translations` and through the engine's own gRPC API. Every answer is
+transformers' greedy decode for the clip as the engine hears it (`reference_timestamps`: one decode, under its
+timestamp processor where the answer shows times): a given language, a detected one (verbose_json names it, with the
+segments transformers' tokenizer reads), a translation, a stream whose deltas add up to the text, srt cues. A chat
+sent to the Whisper engine, and a transcription sent to a text model's engine, are 400s naming what each serves."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from ladle.v1 import engine_pb2, types_pb2
 from tests.e2e.engine_process import EngineProcess, start_engine
 from tests.e2e.gateway_process import GatewayProcess, start_gateway
 from tests.unit.test_audio_input import clip
-from tests.unit.test_whisper import reference, save_whisper
+from tests.unit.test_whisper import reference, reference_timestamps, save_whisper
 
 NEW_TOKENS = 10
 
@@ -33,7 +35,7 @@ def whisper_served(
     """A tiny Whisper checkpoint behind `ladle engine` and the gateway."""
     root = tmp_path_factory.mktemp("whisper")
     folder = root / "model"
-    model = save_whisper(folder)
+    model = save_whisper(folder, timestamps=True)
     engine = start_engine(root / "engine.log", "--model", str(folder), "--quantization", "none", threads=1)
     gateway = start_gateway(root / "gateway.log", engine.address)
     yield folder, model, engine, gateway
@@ -48,12 +50,30 @@ def expected_text(folder: Path, tokens: list[int]) -> str:
     return str(AutoTokenizer.from_pretrained(folder).decode(tokens, skip_special_tokens=True)).strip()
 
 
+def decoded(folder: Path, model: Any, prompt: TranscriptionPrompt) -> tuple[list[int], list[int]]:
+    """transformers' prompt ids and tokens of one greedy decode of `prompt` (its language detected as
+    `detect_language` does where it names none)."""
+    if not prompt.language:
+        ids = reference(folder, model, prompt, 1)[0]
+        codes = {token: key[2:-2] for key, token in model.generation_config.lang_to_id.items()}
+        prompt = dataclasses.replace(prompt, language=codes[ids[-3]])
+    return reference_timestamps(folder, model, prompt, NEW_TOKENS)
+
+
+def offsets(folder: Path, tokens: list[int], seconds: float) -> list[tuple[str, float, float]]:
+    """transformers' segments of `tokens` (its tokenizer's `output_offsets`), times held to the clip's `seconds`."""
+    from transformers import AutoTokenizer
+
+    found = AutoTokenizer.from_pretrained(folder).decode(tokens, output_offsets=True)["offsets"]
+    return [(o["text"], min(o["timestamp"][0], seconds), min(o["timestamp"][1], seconds)) for o in found]
+
+
 def test_the_openai_sdk_transcribes_and_translates_as_transformers_does(
     whisper_served: tuple[Path, Any, EngineProcess, GatewayProcess],
 ) -> None:
-    """A WAV in English (json), a 22.05 kHz clip whose language is detected (verbose_json: its name, its length and one
-    segment over it), a German FLAC translated, and the first one streamed: each text is transformers' greedy
-    tokens' for the clip as the engine hears it."""
+    """A WAV in English (json), a 22.05 kHz clip whose language is detected (verbose_json: its name, its length and the
+    segments of a decode with timestamps; srt: a cue each), a German FLAC translated, and the first one streamed: each
+    text is transformers' greedy tokens' for the clip as the engine hears it."""
     folder, model, _, gateway = whisper_served
     sdk = openai.OpenAI(base_url=gateway.base_url, api_key="unused")
     model_id = sdk.models.list().data[0].id
@@ -61,23 +81,30 @@ def test_the_openai_sdk_transcribes_and_translates_as_transformers_does(
     english, unknown, german = clip(11, 1.5), clip(12, 2.0, 22_050), clip(13, 1.2, 44_100, 2, "FLAC")
 
     reply = sdk.audio.transcriptions.create(model=model_id, file=("a.wav", english), language="en", extra_body=limit)
-    _, tokens = reference(folder, model, TranscriptionPrompt(english, "en"), NEW_TOKENS)
+    _, tokens = decoded(folder, model, TranscriptionPrompt(english, "en"))
     assert reply.text == expected_text(folder, tokens)
 
     verbose = sdk.audio.transcriptions.create(model=model_id, file=("b.wav", unknown), response_format="verbose_json",
                                               extra_body=limit)  # fmt: skip
-    ids, tokens = reference(folder, model, TranscriptionPrompt(unknown), NEW_TOKENS)
+    ids, tokens = decoded(folder, model, TranscriptionPrompt(unknown, timestamps=True))
     codes = {v: k[2:-2] for k, v in model.generation_config.lang_to_id.items()}
     from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
     assert verbose.language == LANGUAGES[codes[ids[1]]]  # (the language token transformers' detection picks)
     assert verbose.text == expected_text(folder, tokens)
     assert verbose.duration == pytest.approx(2.0, abs=1e-3)
-    assert verbose.segments is not None and verbose.segments[0].end == pytest.approx(2.0, abs=1e-3)
+    closed = offsets(folder, tokens, 2.0)
+    assert verbose.segments is not None and len(verbose.segments) >= len(closed) > 0
+    assert [(s.text, s.start, s.end) for s in verbose.segments[:len(closed)]] == [
+        (text, pytest.approx(start, abs=1e-6), pytest.approx(end, abs=1e-6)) for text, start, end in closed]
+    assert [t for s in verbose.segments for t in s.tokens] == tokens[:sum(len(s.tokens) for s in verbose.segments)]
+    subtitles = sdk.audio.transcriptions.create(model=model_id, file=("b.wav", unknown), response_format="srt",
+                                                extra_body=limit)  # fmt: skip
+    assert str(subtitles).count(" --> ") == len(verbose.segments)
 
     translated = sdk.audio.translations.create(model=model_id, file=("c.flac", german), extra_body={
         **limit, "language": "de"})  # fmt: skip
-    _, tokens = reference(folder, model, TranscriptionPrompt(german, "de", "translate"), NEW_TOKENS)
+    _, tokens = decoded(folder, model, TranscriptionPrompt(german, "de", "translate"))
     assert translated.text == expected_text(folder, tokens)
 
     stream = sdk.audio.transcriptions.create(model=model_id, file=("a.wav", english), language="en", stream=True,
@@ -93,7 +120,7 @@ def test_grpc_callers_send_transcriptions(whisper_served: tuple[Path, Any, Engin
     reply; a chat turn to the Whisper engine is INVALID_ARGUMENT naming what it serves."""
     folder, model, engine, _ = whisper_served
     data = clip(14, 1.0, 8_000)
-    ids, tokens = reference(folder, model, TranscriptionPrompt(data, "fr", prompt="the cat"), NEW_TOKENS)
+    ids, tokens = decoded(folder, model, TranscriptionPrompt(data, "fr", prompt="the cat"))
     speech = types_pb2.Transcription(audio=types_pb2.Audio(data=data), language="french", prompt="the cat",
                                      task=types_pb2.TRANSCRIPTION_TASK_TRANSCRIBE)  # fmt: skip
     with EngineClient(engine.address) as client:
