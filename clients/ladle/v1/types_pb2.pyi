@@ -184,6 +184,7 @@ class Transcription(_message.Message):
     TASK_FIELD_NUMBER: _builtins.int
     PROMPT_FIELD_NUMBER: _builtins.int
     TIMESTAMPS_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FALLBACK_FIELD_NUMBER: _builtins.int
     language: _builtins.str
     """The speech's language as an ISO-639-1 code ("en", "de"), or a name the model knows ("english"); empty: the model
     detects it from the clip (TranscriptionInfo.language says which). A language the model does not know is
@@ -199,6 +200,16 @@ class Transcription(_message.Message):
     """Decode with Whisper's timestamp tokens (its prompt without `<|notimestamps|>`, the tokens held to transformers'
     `WhisperTimeStampLogitsProcessor` rules): each choice comes with its TranscriptionSegments. The text is the
     words alone either way. A model whose vocabulary has no timestamp tokens refuses it (INVALID_ARGUMENT).
+    """
+    temperature_fallback: _builtins.bool
+    """Whisper's temperature fallback, as OpenAI's whisper decodes a 30 s window: greedily first (the sampling's
+    temperature must be 0 and n 1), then again at 0.2, 0.4, 0.6, 0.8 and 1.0 while the window's text is too
+    repetitive (its zlib compression ratio over 2.4) or its tokens too unlikely (their mean log-probability, the
+    end token's included, under -1.0), unless the window is silence: its `<|nospeech|>` probability over 0.6 with its
+    tokens under -1.0, which answers no text for that window. The first decode that passes answers, else the last.
+    A sampled retry draws from the request's seed where it gives one. Log-probabilities (asked, and those judged)
+    are then the processed distribution's (after the suppressed tokens and timestamp rules, before the temperature),
+    as Whisper's. Usage counts every decode's tokens.
     """
     @_builtins.property
     def audio(self) -> Global___Audio:
@@ -218,10 +229,11 @@ class Transcription(_message.Message):
         task: Global___TranscriptionTask.ValueType = ...,
         prompt: _builtins.str = ...,
         timestamps: _builtins.bool = ...,
+        temperature_fallback: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio", "language", b"language", "prompt", b"prompt", "task", b"task", "timestamps", b"timestamps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio", "language", b"language", "prompt", b"prompt", "task", b"task", "temperature_fallback", b"temperature_fallback", "timestamps", b"timestamps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -265,6 +277,8 @@ class TranscriptionSegment(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     SEEK_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    NO_SPEECH_PROB_FIELD_NUMBER: _builtins.int
     start_seconds: _builtins.float
     """When it starts, in seconds from the clip's start (its opening timestamp plus its window's start)."""
     end_seconds: _builtins.float
@@ -279,6 +293,14 @@ class TranscriptionSegment(_message.Message):
     """The start of the window it was decoded in (a clip over 30 s is decoded in windows), in 10 ms frames:
     Whisper's `seek`.
     """
+    temperature: _builtins.float
+    """The temperature of the decode it came from: the sampling's, or the retry's that answered under
+    Transcription.temperature_fallback.
+    """
+    no_speech_prob: _builtins.float
+    """The probability of `<|nospeech|>` after its window's `<|startoftranscript|>`, as Whisper measures silence; set
+    where Transcription.temperature_fallback measured it.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Its tokens, its timestamp tokens included, as Choice.token_ids holds them."""
@@ -292,12 +314,16 @@ class TranscriptionSegment(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         first_token: _builtins.int = ...,
         seek: _builtins.int = ...,
+        temperature: _builtins.float = ...,
+        no_speech_prob: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_no_speech_prob", b"_no_speech_prob", "no_speech_prob", b"no_speech_prob"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_seconds", b"end_seconds", "first_token", b"first_token", "seek", b"seek", "start_seconds", b"start_seconds", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_no_speech_prob", b"_no_speech_prob", "end_seconds", b"end_seconds", "first_token", b"first_token", "no_speech_prob", b"no_speech_prob", "seek", b"seek", "start_seconds", b"start_seconds", "temperature", b"temperature", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__no_speech_prob: _TypeAlias = _typing.Literal["no_speech_prob"]  # noqa: Y015
+    _WhichOneofArgType__no_speech_prob: _TypeAlias = _typing.Literal["_no_speech_prob", b"_no_speech_prob"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__no_speech_prob) -> _WhichOneofReturnType__no_speech_prob | None: ...
 
 Global___TranscriptionSegment: _TypeAlias = TranscriptionSegment  # noqa: Y015
 
