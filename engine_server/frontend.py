@@ -17,6 +17,7 @@ from engine_server.core.request import Priority, Request, RequestStatus, Request
 from engine_server.errors import ValidationError
 from engine_server.harmony import HarmonyStream
 from engine_server.multimodal.audio import AudioProcessing, PromptAudio
+from engine_server.multimodal.fallback import DecodeCheck
 from engine_server.multimodal.inputs import MultimodalInputs
 from engine_server.multimodal.processing import ImageProcessing, PromptImage
 from engine_server.multimodal.transcription import (
@@ -91,7 +92,15 @@ class LanguageDetection:
     transcription: TranscriptionPrompt
 
 
-Prompt = str | Sequence[int] | ChatPrompt | TranscriptionPrompt | LanguageDetection
+@dataclass(frozen=True)
+class SilenceProbe:
+    """The one-token request that measures how silent a transcription's clip is (Whisper's `<|nospeech|>`
+    probability: `InputProcessor.no_speech_prob`), run beside its temperature fallback's first decode."""
+
+    transcription: TranscriptionPrompt
+
+
+Prompt = str | Sequence[int] | ChatPrompt | TranscriptionPrompt | LanguageDetection | SilenceProbe
 
 
 @dataclass(frozen=True)
@@ -279,7 +288,7 @@ class InputProcessor:
         of its own is refused (ValidationError, param "tool_choice"). A transcription (`TranscriptionPrompt`, its
         language known: `needs_language`) is Whisper's decoder prompt and clip; a speech-to-text model refuses every
         other kind, and every other model a transcription."""
-        if isinstance(prompt, TranscriptionPrompt | LanguageDetection) or self.transcription is not None:
+        if isinstance(prompt, TranscriptionPrompt | LanguageDetection | SilenceProbe) or self.transcription is not None:
             return self._prepare_transcription(prompt, params)
         if not isinstance(prompt, ChatPrompt):
             return PreparedPrompt(self.tokenize(prompt), params)
@@ -322,6 +331,24 @@ class InputProcessor:
             return None
         return self.transcription.windows(prompt)
 
+    @property
+    def probes_silence(self) -> bool:
+        """Whether the model measures a clip's silence (its vocabulary has `<|nospeech|>`: `SilenceProbe`)."""
+        return self.transcription is not None and self.transcription.no_speech is not None
+
+    def fallback_attempt(self, prompt: TranscriptionPrompt, params: SamplingParams, temperature: float
+                         ) -> tuple[TranscriptionPrompt, SamplingParams]:  # fmt: skip
+        """One decode of a temperature fallback (`multimodal.fallback`): `prompt` decoded once at `temperature`, its
+        processed log-probabilities given; ValidationError where the request is not one to fall back from (its
+        temperature not 0, or n over 1)."""
+        if not params.greedy:
+            raise ValidationError("temperature_fallback decodes greedily first, then hotter: the sampling's "
+                                  f"temperature must be 0, not {params.temperature}", "temperature")  # fmt: skip
+        if params.n != 1:
+            raise ValidationError(f"temperature_fallback answers one choice: n must be 1, not {params.n}", "n")
+        return dataclasses.replace(prompt, temperature_fallback=False), dataclasses.replace(
+            params, temperature=temperature, logprobs=True, processed_logprobs=True)
+
     def detected(self, prompt: TranscriptionPrompt, language_token: int) -> TranscriptionPrompt:
         """`prompt` in the language of `language_token` (its `LanguageDetection`'s output)."""
         assert self.transcription is not None
@@ -336,6 +363,11 @@ class InputProcessor:
         if isinstance(prompt, LanguageDetection):
             found = self.transcription.detection(prompt.transcription, self.vocab_size)
             params = SamplingParams(max_tokens=1, temperature=0.0)
+        elif isinstance(prompt, SilenceProbe):
+            probe = self.transcription.silence_probe(prompt.transcription, self.vocab_size)
+            assert probe is not None, "a silence probe needs `<|nospeech|>` (InputProcessor.probes_silence)"
+            found = probe
+            params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True)
         elif isinstance(prompt, TranscriptionPrompt):
             found = self.transcription.prepare(prompt, self.transcription.language_code(prompt.language))
         else:
@@ -412,7 +444,7 @@ class InputProcessor:
         """Token ids of a prompt. Chat is rendered with the model's template (which adds its own specials)."""
         if isinstance(prompt, ChatPrompt):
             return self._chat_prompt(prompt)[0]
-        if isinstance(prompt, TranscriptionPrompt | LanguageDetection) or self.transcription is not None:
+        if isinstance(prompt, TranscriptionPrompt | LanguageDetection | SilenceProbe) or self.transcription is not None:
             raise ValidationError("a speech-to-text model's prompts are laid out from their clips: Tokenize does not "
                                   "serve them", "input")  # fmt: skip
         if isinstance(prompt, str):
@@ -575,7 +607,8 @@ class RequestTracker:
             choice.finish_reason, choice.matched_stop = reason, matched
             if self._timestamps is not None and self._timestamps.segments:
                 stop = matched if isinstance(matched, int) else None
-                choice.segments = segments = self._timestamps.read(choice.token_ids, stop, self._decode)
+                choice.segments = segments = self._timestamps.read(choice.token_ids, stop, self._decode,
+                                                                   self.params.temperature)
         usage = self.result.usage
         usage.completion_tokens += len(delta.token_ids)
         if choice_index == 0:
@@ -649,6 +682,35 @@ def window_separator(before: str, after: str) -> str:
     if not before or not after or before[-1].isspace() or after[0].isspace():
         return ""
     return " "
+
+
+def fallback_answer(
+    attempts: Sequence[GenerationResult], check: DecodeCheck, temperature: float, keep_logprobs: bool
+) -> GenerationResult:
+    """The answer of a transcription's temperature fallback (`multimodal.fallback`): its last decode's result (of
+    `attempts`, in order; the last at `temperature`, judged by `check`), usage summed over every decode, each segment
+    with that temperature and `check`'s no-speech probability, the log-probabilities kept only where the caller asked
+    (`keep_logprobs`); where `check` calls the window silence, no text, tokens, log-probabilities or segments."""
+    last = attempts[-1]
+    choice = last.choices[0]
+    segments = [dataclasses.replace(s, temperature=temperature, no_speech_prob=check.no_speech_prob)
+                for s in choice.segments]  # fmt: skip
+    logprobs = choice.logprobs if keep_logprobs else None
+    if check.silence:
+        choice = dataclasses.replace(choice, text="", token_ids=[], logprobs=[] if keep_logprobs else None,
+                                     segments=[])  # fmt: skip
+    else:
+        choice = dataclasses.replace(choice, logprobs=logprobs, segments=segments)
+    usage = Usage(sum(r.usage.prompt_tokens for r in attempts), sum(r.usage.completion_tokens for r in attempts),
+                  sum(r.usage.cached_prompt_tokens for r in attempts))  # fmt: skip
+    return dataclasses.replace(last, choices=[choice], usage=usage)
+
+
+def decode_check(result: GenerationResult, no_speech_prob: float | None) -> DecodeCheck:
+    """Whisper's check of one decode of a temperature fallback (its processed log-probabilities asked)."""
+    choice = result.choices[0]
+    stopped = choice.finish_reason == FinishReason.STOP and isinstance(choice.matched_stop, int)
+    return DecodeCheck.of(choice.text, [t.logprob for t in choice.logprobs or ()], stopped, no_speech_prob)
 
 
 def joined_results(results: Sequence[GenerationResult], duration_seconds: float) -> GenerationResult:

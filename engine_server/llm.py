@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, cast
@@ -23,6 +24,9 @@ from engine_server.frontend import (
     LanguageDetection,
     Prompt,
     RequestTracker,
+    SilenceProbe,
+    decode_check,
+    fallback_answer,
     joined_results,
     split_core_request_id,
 )
@@ -36,6 +40,7 @@ from engine_server.loader import ModelSource, resolve_model
 from engine_server.lora.peft_format import LoraAdapter
 from engine_server.lora.registry import AdapterRegistry, ServedAdapter
 from engine_server.multimodal.audio import served_audio
+from engine_server.multimodal.fallback import TEMPERATURES
 from engine_server.multimodal.processing import served_images
 from engine_server.multimodal.transcription import TranscriptionPrompt, served_transcription
 from engine_server.output import TokenTextCodec
@@ -187,6 +192,8 @@ class LLM:
         batch = self._with_languages(batch)
         if params is None:
             params = self.generation_defaults.sampling_params()
+        if any(isinstance(prompt, TranscriptionPrompt) and prompt.temperature_fallback for prompt in batch):
+            return self._generate_fallback(batch, params, adapters, use_tqdm)
         per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(batch)
         if len(per_prompt) != len(batch):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts")
@@ -255,6 +262,57 @@ class LLM:
                                 use_tqdm=use_tqdm)  # fmt: skip
         return [results[start] if windows is None else joined_results(results[start:end], windows[1])
                 for (start, end), windows in zip(spans, windowed, strict=True)]  # fmt: skip
+
+    def _generate_fallback(
+        self,
+        batch: list[Prompt],
+        params: SamplingParams | Sequence[SamplingParams],
+        adapters: str | Sequence[str | None] | None,
+        use_tqdm: bool,
+    ) -> list[GenerationResult]:
+        """`generate` where some transcriptions decode under Whisper's temperature fallback (`multimodal.fallback`):
+        each such prompt is decoded at 0 beside its silence probe (`SilenceProbe`, where the model has `<|nospeech|>`)
+        and the other prompts, then those that fail Whisper's check again, together, at each hotter temperature in
+        turn until each passes or the temperatures run out; each answered as `frontend.fallback_answer` joins its
+        decodes. ValidationError before anything runs (`InputProcessor.fallback_attempt`)."""
+        per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(batch)
+        if len(per_prompt) != len(batch):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts")
+        names = [adapters] * len(batch) if adapters is None or isinstance(adapters, str) else list(adapters)
+        falling = [i for i, prompt in enumerate(batch)
+                   if isinstance(prompt, TranscriptionPrompt) and prompt.temperature_fallback]  # fmt: skip
+
+        def attempt(i: int, temperature: float) -> tuple[TranscriptionPrompt, SamplingParams]:
+            return self.inputs.fallback_attempt(cast(TranscriptionPrompt, batch[i]), per_prompt[i], temperature)
+
+        first = {i: attempt(i, TEMPERATURES[0]) for i in falling}
+        probes = [SilenceProbe(cast(TranscriptionPrompt, batch[i])) for i in falling] if self.inputs.probes_silence \
+            else []  # fmt: skip
+        found = self.generate(
+            [*(first[i][0] if i in first else prompt for i, prompt in enumerate(batch)), *probes],
+            [*(first[i][1] if i in first else p for i, p in enumerate(per_prompt)), *[per_prompt[0]] * len(probes)],
+            adapters=[*names, *[names[i] for i in falling][: len(probes)]], use_tqdm=use_tqdm,
+        )  # fmt: skip
+        no_speech = {i: math.exp(cast(list[Any], r.choices[0].logprobs)[0].logprob)
+                     for i, r in zip(falling, found[len(batch):], strict=False)}  # fmt: skip
+        tried = {i: [found[i]] for i in falling}
+        checks = {i: decode_check(found[i], no_speech.get(i)) for i in falling}
+        used = dict.fromkeys(falling, TEMPERATURES[0])
+        for temperature in TEMPERATURES[1:]:
+            pending = [i for i in falling if not checks[i].passes]
+            if not pending:
+                break
+            hotter = [attempt(i, temperature) for i in pending]
+            again = self.generate([p for p, _ in hotter], [sp for _, sp in hotter],
+                                  adapters=[names[i] for i in pending], use_tqdm=use_tqdm)  # fmt: skip
+            for i, result in zip(pending, again, strict=True):
+                tried[i].append(result)
+                checks[i], used[i] = decode_check(result, no_speech.get(i)), temperature
+        answers = list(found[: len(batch)])
+        for i in falling:
+            asked = per_prompt[i].logprobs or per_prompt[i].top_logprobs > 0
+            answers[i] = fallback_answer(tried[i], checks[i], used[i], asked)
+        return answers
 
     def _with_languages(self, batch: list[Prompt]) -> list[Prompt]:
         """`batch` with each transcription that names no language in the one its clip is detected to be in (one
@@ -367,7 +425,7 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str | ChatPrompt | TranscriptionPrompt | LanguageDetection):
+    if isinstance(prompts, str | ChatPrompt | TranscriptionPrompt | LanguageDetection | SilenceProbe):
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(p, int) for p in items):

@@ -82,6 +82,9 @@ class SamplingParams:
     suppress_token_ids: tuple[int, ...] = ()
     begin_suppress_token_ids: tuple[int, ...] = ()
     timestamps: TimestampRules | None = None  # a Whisper decode with timestamps (set by the engine)
+    # The log-probabilities asked are the processed distribution's (after logit_bias, the bans, the timestamp rules,
+    # the penalties and a grammar's mask; before the temperature), as Whisper judges a decode; set by the engine.
+    processed_logprobs: bool = False
 
     @property
     def greedy(self) -> bool:

@@ -54,6 +54,7 @@ class TranscriptionPrompt:
     prompt: str = ""
     timestamps: bool = False  # decode with timestamp tokens: the output reads as segments
     offset_seconds: float = 0.0  # where this clip starts in the caller's (a window's: `WhisperTranscription.windows`)
+    temperature_fallback: bool = False  # decode again hotter while the output fails Whisper's checks (`fallback`)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,8 @@ class TranscriptionSegment:
     token_ids: tuple[int, ...]
     first_token: int
     seek: int
+    temperature: float = 0.0  # its decode's
+    no_speech_prob: float | None = None  # its window's, where measured (`fallback`)
 
     def shifted(self, tokens: int) -> TranscriptionSegment:
         """This segment of a window whose choice follows `tokens` other tokens in a joined choice."""
@@ -94,9 +97,11 @@ class TimestampTokens:
     window_seconds: float = 0.0
 
     def read(
-        self, token_ids: Sequence[int], stop_token: int | None, decode: Callable[[list[int]], str]
+        self, token_ids: Sequence[int], stop_token: int | None, decode: Callable[[list[int]], str],
+        temperature: float = 0.0,
     ) -> list[TranscriptionSegment]:
-        """The segments of a decode's `token_ids` (its `stop_token` last, where it ended on one: in no segment), as
+        """The segments of a decode at `temperature` of `token_ids` (its `stop_token` last, where it ended on one: in
+        no segment), as
         transformers' `_compute_offsets` reads them: each opening timestamp, the text after it and the closing
         timestamp after that. A segment whose decode stopped before its closing timestamp ends at the window's end
         (its text is kept; transformers drops it), an opening timestamp with no text after it is none, and no time
@@ -119,7 +124,7 @@ class TimestampTokens:
             start = None
         if start is not None:
             found.extend(self._segment(ids, first, len(ids), start, self.window_seconds, decode))
-        return found
+        return [dataclasses.replace(segment, temperature=temperature) for segment in found]
 
     def _segment(
         self, ids: list[int], first: int, end: int, start: float, stop: float, decode: Callable[[list[int]], str]
@@ -187,6 +192,10 @@ class WhisperTranscription:
         self.eos = int(eos[0] if isinstance(eos, list) else eos)
         initial = generation.get("max_initial_timestamp_index")
         self.max_initial_timestamp = None if initial is None else int(initial)
+        # Whisper's silence token (`<|nocaptions|>` in the first checkpoints); None where the vocabulary has neither.
+        self.no_speech = _token_id(tokenizer, "<|nospeech|>")
+        if self.no_speech is None:
+            self.no_speech = _token_id(tokenizer, "<|nocaptions|>")
 
     @classmethod
     def for_model(
@@ -267,6 +276,22 @@ class WhisperTranscription:
                                     offset_seconds=prompt.offset_seconds + start / self.sampling_rate)
                 for start, end in cuts], seconds  # fmt: skip
 
+    def silence_probe(self, prompt: TranscriptionPrompt, vocab_size: int) -> PreparedTranscription | None:
+        """The one-token request that measures how silent `prompt`'s clip is, as Whisper does: its previous text and
+        `<|startoftranscript|>`, every token of the model's `vocab_size` but `<|nospeech|>` suppressed (its output's
+        raw log-probability is the one Whisper reads after that token); None where the vocabulary has no such token.
+        Its encoder states are kept for the transcription beside it."""
+        if self.no_speech is None:
+            return None
+        clip, info = self._clip(prompt.audio, "", detection=True)
+        return PreparedTranscription([*self._previous_text(prompt.prompt), self.start], clip, info,
+                                     self._all_but(self.no_speech, vocab_size), ())  # fmt: skip
+
+    @functools.cache  # noqa: B019  (one entry a model: its vocabulary size; the instance lives as long as the engine)
+    def _all_but(self, token: int, vocab_size: int) -> tuple[int, ...]:
+        """Every token id below `vocab_size` but `token` (a silence probe's suppressed tokens), made once."""
+        return tuple(t for t in range(vocab_size) if t != token)
+
     def detection(self, prompt: TranscriptionPrompt, vocab_size: int) -> PreparedTranscription:
         """The one-token request that detects `prompt`'s language: `<|startoftranscript|>` alone, every token of the
         model's `vocab_size` but the languages' suppressed (its output the language token, as transformers'
@@ -301,6 +326,12 @@ class WhisperTranscription:
         span = ImageSpan(0, 0, features, image_digest(data))
         return MultimodalInputs((span,), transcription=True, detects_language=detection), TranscriptionInfo(language,
                                                                                                             seconds)
+
+
+def _token_id(tokenizer: Any, name: str) -> int | None:
+    """The id of the token spelled `name` in `tokenizer`'s vocabulary; None where it has none (not its unknown's)."""
+    found = tokenizer.convert_tokens_to_ids(name)
+    return int(found) if found is not None and tokenizer.convert_ids_to_tokens(int(found)) == name else None
 
 
 def silent_clip(seconds: float = 1.0, rate: int = 16_000) -> bytes:

@@ -91,6 +91,7 @@ class SamplingMetadata:
     seeded: SeededRows | None
     wants_logprobs: tuple[bool, ...]
     num_top_logprobs: tuple[int, ...]
+    processed_logprobs: torch.Tensor | None = None  # [B] bool: rows whose logprobs are the processed logits'
 
     @property
     def modifies_logits(self) -> bool:
@@ -148,6 +149,7 @@ class SamplingMetadata:
             seeded=_seeded(stage, rows, greedy),
             wants_logprobs=tuple(r.params.logprobs or r.params.top_logprobs > 0 for r in rows),
             num_top_logprobs=tuple(r.params.top_logprobs for r in rows),
+            processed_logprobs=_processed_logprobs(stage, rows),
         )
         return stage.finish(meta)
 
@@ -207,6 +209,12 @@ def _swap(value: Any, views: dict[int, torch.Tensor]) -> Any:
         changes = {f.name: _swap(getattr(value, f.name), views) for f in dataclasses.fields(value)}
         return dataclasses.replace(value, **changes)
     return value
+
+
+def _processed_logprobs(stage: _Stager, rows: Sequence[SamplingRow]) -> torch.Tensor | None:
+    """[B] bool: the rows whose logprobs are the processed logits' (`SamplingParams.processed_logprobs`); None: none."""
+    processed = [r.params.processed_logprobs for r in rows]
+    return stage(processed, np.bool_) if any(processed) else None
 
 
 def _effective_top_k(top_k: int, vocab_size: int) -> int:

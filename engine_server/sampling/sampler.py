@@ -20,7 +20,9 @@ how many rows have a seed: the metadata comes in one host-to-device copy and eve
 
 Log-probabilities are the raw model's: log_softmax of the incoming logits, before any of the steps above.
 That is vLLM's default; it keeps every value finite (top-k/top-p/grammar masks would put -inf, which JSON
-cannot carry) and makes a token's logprob independent of the request's sampling knobs.
+cannot carry) and makes a token's logprob independent of the request's sampling knobs. A row with
+`processed_logprobs` (set by the engine: Whisper's temperature fallback judges a decode by them) has them of the
+logits after steps 1-5, before the temperature, as Whisper's decoder computes them (masked tokens' are -inf).
 
 The sampler never modifies the caller's `logits`: it copies them once when a step above needs to.
 The caller must leave every row at least one token that is not -inf after steps 1-5.
@@ -128,9 +130,12 @@ class Sampler:
         raw = _float32(logits[:, : self.vocab_size])
         if meta.all_greedy and not meta.modifies_logits:
             tokens = raw.argmax(dim=-1)
+            processed = raw
         else:
             processed = self._process(raw.clone(), meta) if meta.modifies_logits else raw
             tokens = self._pick(processed, meta)
+        if meta.processed_logprobs is not None and processed is not raw:  # (`_pick` leaves `processed` as it was)
+            raw = torch.where(meta.processed_logprobs.unsqueeze(1), processed, raw)
         return _with_logprobs(raw, tokens, meta)
 
     @torch.inference_mode()

@@ -156,7 +156,7 @@ def transcription_prompt(message: types_pb2.Transcription) -> TranscriptionPromp
     if message.task not in _TASKS:
         raise ValidationError(f"unknown transcription task {message.task}", "input.transcription.task")
     return TranscriptionPrompt(message.audio.data, message.language, _TASKS[message.task], message.prompt,
-                               message.timestamps)
+                               message.timestamps, temperature_fallback=message.temperature_fallback)
 
 
 def chat_prompt(chat: types_pb2.ChatInput) -> ChatPrompt:
@@ -327,7 +327,8 @@ def _set_choice_fields(message: types_pb2.Choice | types_pb2.ChoiceDelta, choice
 def segment_message(segment: TranscriptionSegment) -> types_pb2.TranscriptionSegment:
     return types_pb2.TranscriptionSegment(start_seconds=segment.start, end_seconds=segment.end, text=segment.text,
                                           token_ids=segment.token_ids, first_token=segment.first_token,
-                                          seek=segment.seek)  # fmt: skip
+                                          seek=segment.seek, temperature=segment.temperature,
+                                          no_speech_prob=segment.no_speech_prob)  # fmt: skip
 
 
 def tool_call_message(call: ToolCall) -> types_pb2.ToolCall:

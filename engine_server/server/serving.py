@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import math
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
@@ -41,6 +42,9 @@ from engine_server.frontend import (
     PreparedPrompt,
     Prompt,
     RequestTracker,
+    SilenceProbe,
+    decode_check,
+    fallback_answer,
     joined_results,
     split_core_request_id,
     window_separator,
@@ -51,6 +55,7 @@ from engine_server.loader import resolve_model
 from engine_server.lora.peft_format import LoraAdapter
 from engine_server.lora.registry import AdapterRegistry, ServedAdapter
 from engine_server.multimodal.audio import AudioProcessing, served_audio
+from engine_server.multimodal.fallback import TEMPERATURES
 from engine_server.multimodal.processing import ImageProcessing, served_images
 from engine_server.multimodal.transcription import (
     TranscriptionPrompt,
@@ -353,6 +358,11 @@ class ServingEngine:
                 return
         if self.inputs.needs_language(request.prompt):  # a transcription without a language: detected first
             request = await self._with_language(request, deadline)
+        if isinstance(request.prompt, TranscriptionPrompt) and request.prompt.temperature_fallback:
+            async with contextlib.aclosing(self._generate_fallback(request, deadline, wait)) as fallback:
+                async for update in fallback:
+                    yield update
+            return
         # Templating, tokenizing and building a forced tool_choice's grammar text run on the tokenizer thread.
         prepared: PreparedPrompt = await self._off_loop(self.inputs.prepare, request.prompt, request.params)
         prompt_ids, params = prepared.token_ids, prepared.params
@@ -442,6 +452,53 @@ class ServingEngine:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _generate_fallback(
+        self, request: GenerationInput, deadline: float | None, wait: bool
+    ) -> AsyncGenerator[StepUpdate, None]:
+        """`generate` for a transcription (one window) under Whisper's temperature fallback (`multimodal.fallback`): it
+        is decoded at 0 beside its silence probe (`SilenceProbe`, where the model has `<|nospeech|>`), then again at
+        each hotter temperature in turn while it fails Whisper's check, under the same deadline and priority; one
+        update, finished: the answer (`frontend.fallback_answer`), its delta the whole choice. ValidationError before
+        anything runs (`InputProcessor.fallback_attempt`); closing early aborts what runs."""
+        prompt = cast(TranscriptionPrompt, request.prompt)
+        attempt, params = self.inputs.fallback_attempt(prompt, request.params, TEMPERATURES[0])
+        probe = asyncio.create_task(self._no_speech(request, deadline)) if self.inputs.probes_silence else None
+        try:
+            tried = [await self._result(dataclasses.replace(request, prompt=attempt, params=params), deadline, wait)]
+            no_speech = await probe if probe is not None else None
+            check, used = decode_check(tried[0], no_speech), TEMPERATURES[0]
+            for temperature in TEMPERATURES[1:]:
+                if check.passes:
+                    break
+                attempt, params = self.inputs.fallback_attempt(prompt, request.params, temperature)
+                tried.append(await self._result(dataclasses.replace(request, prompt=attempt, params=params), deadline,
+                                                wait))  # fmt: skip
+                check, used = decode_check(tried[-1], no_speech), temperature
+        finally:
+            if probe is not None and not probe.done():
+                probe.cancel()
+                await asyncio.gather(probe, return_exceptions=True)
+        asked = request.params.logprobs or request.params.top_logprobs > 0
+        answer = fallback_answer(tried, check, used, asked)
+        yield StepUpdate([dataclasses.replace(choice) for choice in answer.choices], answer, finished=True)
+
+    async def _result(self, request: GenerationInput, deadline: float | None, wait: bool) -> GenerationResult:
+        """`request`'s whole result (`generate` with `whole`)."""
+        result = None
+        async with contextlib.aclosing(self.generate(request, deadline, whole=True, wait=wait)) as updates:
+            async for update in updates:
+                result = update.result
+        assert result is not None, "generate yields a finished update"
+        return result
+
+    async def _no_speech(self, request: GenerationInput, deadline: float | None) -> float:
+        """The probability of `<|nospeech|>` after the transcription's `<|startoftranscript|>` (its `SilenceProbe`'s
+        one token's raw log-probability), run under the same deadline and priority."""
+        probe = dataclasses.replace(request, prompt=SilenceProbe(cast(TranscriptionPrompt, request.prompt)))
+        logprobs = (await self._result(probe, deadline, wait=False)).choices[0].logprobs
+        assert logprobs, "a silence probe asks its token's log-probability"
+        return math.exp(logprobs[0].logprob)
 
     async def _with_language(self, request: GenerationInput, deadline: float | None) -> GenerationInput:
         """`request` (a transcription naming no language) in the language its clip is detected to be in: one greedy
