@@ -2,10 +2,14 @@
 GenerateRequest with `Input.transcription`, and the engine's reply as each `response_format` answers it. Pure
 functions.
 
-The engine decodes without timestamps, so a clip is one segment: verbose_json has one segment from 0 to the clip's
-duration (its text, token ids, temperature, its tokens' mean log-probability and Whisper's compression ratio;
-`no_speech_prob` is not measured: null), srt and vtt one cue over the clip. The text answered is the model's with
-its surrounding white space trimmed (Whisper starts with a space), as OpenAI answers; the segment's is untrimmed.
+The formats that show times (verbose_json, srt, vtt) ask the engine for Whisper's timestamp tokens
+(`Transcription.timestamps`), and each of the engine's TranscriptionSegments answers as one of verbose_json's
+`segments` (its times, untrimmed text, token ids with their timestamp tokens, Whisper's `seek`, the form's
+temperature, its tokens' mean log-probability, Whisper's compression ratio; `no_speech_prob` is not measured: null)
+and as one srt or vtt cue (its text trimmed). Word timings are not measured (no cross-attention alignment). An
+engine's reply with text but no segments (one that ignores timestamps) answers as one segment over the whole clip.
+The text answered is the model's with its surrounding white space trimmed (Whisper starts with a space), as OpenAI
+answers.
 Usage is OpenAI's token usage (`{"type": "tokens", ...}`) in json and in a stream's done event, the clip's seconds
 (`{"type": "duration", ...}`) in verbose_json, as the SDK types them.
 """
@@ -22,6 +26,7 @@ from gateway.translate.to_engine import ENGINE_SEEDS
 from ladle.v1 import engine_pb2, types_pb2
 
 TASKS = {"transcribe": types_pb2.TRANSCRIPTION_TASK_TRANSCRIBE, "translate": types_pb2.TRANSCRIPTION_TASK_TRANSLATE}
+TIMED_FORMATS = frozenset({"verbose_json", "srt", "vtt"})  # the formats that show times: asked with timestamps
 MEDIA_TYPES = {"json": "application/json", "verbose_json": "application/json", "text": "text/plain",
                "srt": "application/x-subrip", "vtt": "text/vtt"}
 # The engine's names for a transcription's fields (its INVALID_ARGUMENT's `ladle-param`) -> the form's.
@@ -30,13 +35,13 @@ _OPTIONAL_SAMPLING = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_
 
 
 def check_form(form: TranscriptionForm) -> None:
-    """400 naming the field for what the engine cannot give: `word` timestamps (Whisper is run without
-    timestamps), an `include` other than logprobs, logprobs in a format other than json (as OpenAI), a stream in a
+    """400 naming the field for what the engine cannot give: `word` timestamps (the engine gives segment
+    timestamps only), an `include` other than logprobs, logprobs in a format other than json (as OpenAI), a stream in a
     format other than json or text (its events are text), and a translation into another language than English."""
     if "word" in form.timestamp_granularities:
-        raise invalid("timestamp_granularities: `word` is not available: the engine decodes without timestamps, so "
-                      "it has no word timings; leave it out, or ask for `segment` (one segment covering the clip)",
-                      "timestamp_granularities")
+        raise invalid("timestamp_granularities: `word` is not available: the engine gives segment timestamps "
+                      "(Whisper's timestamp tokens); word timings (cross-attention alignment) are not measured. "
+                      "Leave it out, or ask for `segment`", "timestamp_granularities")
     for item in form.include:
         if item != "logprobs":
             raise invalid(f"include: {item!r} is not available; the one include this server gives is 'logprobs'",
@@ -55,11 +60,13 @@ def transcription_request(
     form: TranscriptionForm, audio: bytes, task: Task, request_id: str, cache_salt: str = "", adapter: str = ""
 ) -> engine_pb2.GenerateRequest:
     """One Generate request for the clip: `Input.transcription` (the bytes as they came, the language, the task,
-    the prompt) and the form's sampling, greedy unless `temperature` is set; log-probabilities when the answer
-    shows them (include logprobs) or is made of them (verbose_json's avg_logprob). 400 as `check_form`."""
+    the prompt, Whisper's timestamp tokens for a format that shows times) and the form's sampling, greedy unless
+    `temperature` is set; log-probabilities when the answer shows them (include logprobs) or is made of them
+    (verbose_json's avg_logprob). 400 as `check_form`."""
     check_form(form)
     transcription = types_pb2.Transcription(audio=types_pb2.Audio(data=audio), language=form.language or "",
-                                            task=TASKS[task], prompt=form.prompt)
+                                            task=TASKS[task], prompt=form.prompt,
+                                            timestamps=form.response_format in TIMED_FORMATS)
     sampling = types_pb2.SamplingParams(temperature=form.temperature if form.temperature is not None else 0.0,
                                         logprobs=form.want_logprobs or form.response_format == "verbose_json")
     if form.max_completion_tokens is not None:
@@ -111,14 +118,14 @@ def answer(
     fmt = form.response_format
     if fmt == "text":
         return text + "\n", MEDIA_TYPES[fmt]
-    if fmt == "srt":
-        return f"1\n{_clock(0.0, ',')} --> {_clock(duration, ',')}\n{text}\n\n", MEDIA_TYPES[fmt]
-    if fmt == "vtt":
-        return f"WEBVTT\n\n{_clock(0.0, '.')} --> {_clock(duration, '.')}\n{text}\n\n", MEDIA_TYPES[fmt]
-    if fmt == "verbose_json":
+    if fmt in TIMED_FORMATS:
+        found = segments(choice, duration, form.temperature or 0.0)
+        if fmt == "srt":
+            return "".join(f"{number}\n{_cue(s, ',')}" for number, s in enumerate(found, 1)), MEDIA_TYPES[fmt]
+        if fmt == "vtt":
+            return "WEBVTT\n\n" + "".join(_cue(s, ".") for s in found), MEDIA_TYPES[fmt]
         return {"task": task, "language": spoken_language(form, task, reply.transcription), "duration": duration,
-                "text": text, "segments": [segment(choice, duration, form.temperature or 0.0)],
-                "usage": {"type": "duration", "seconds": duration}}, MEDIA_TYPES[fmt]
+                "text": text, "segments": found, "usage": {"type": "duration", "seconds": duration}}, MEDIA_TYPES[fmt]
     body: dict[str, Any] = {"text": text}
     if form.want_logprobs:
         body["logprobs"] = logprobs(choice.logprobs)
@@ -126,13 +133,32 @@ def answer(
     return body, MEDIA_TYPES[fmt]
 
 
-def segment(choice: types_pb2.Choice, duration: float, temperature: float) -> dict[str, Any]:
-    """The one segment of a clip decoded without timestamps: from 0 to its duration."""
+def segments(choice: types_pb2.Choice, duration: float, temperature: float) -> list[dict[str, Any]]:
+    """verbose_json's segments of a choice: one per engine segment, its avg_logprob the mean of its own tokens'
+    log-probabilities (Choice.logprobs from its `first_token`; None where none came). The fallback, for an engine
+    that answers text without segments (it ignores timestamps): one segment from 0 to the clip's duration over the
+    whole choice; no text and no segments: none."""
     found = [e.logprob for e in choice.logprobs]
-    return {"id": 0, "seek": 0, "start": 0.0, "end": duration, "text": choice.text,
-            "tokens": list(choice.token_ids), "temperature": temperature,
-            "avg_logprob": sum(found) / len(found) if found else None,
-            "compression_ratio": compression_ratio(choice.text), "no_speech_prob": None}
+    if not choice.segments:
+        if not choice.text:
+            return []
+        return [_segment(0, 0, 0.0, duration, choice.text, list(choice.token_ids), found, temperature)]
+    return [_segment(index, s.seek, s.start_seconds, s.end_seconds, s.text, list(s.token_ids),
+                     found[s.first_token:s.first_token + len(s.token_ids)], temperature)
+            for index, s in enumerate(choice.segments)]
+
+
+def _segment(index: int, seek: int, start: float, end: float, text: str, tokens: list[int], found: list[float],
+             temperature: float) -> dict[str, Any]:
+    """One of verbose_json's segments, as whisper-1 writes it; `found`: its tokens' log-probabilities."""
+    return {"id": index, "seek": seek, "start": start, "end": end, "text": text, "tokens": tokens,
+            "temperature": temperature, "avg_logprob": sum(found) / len(found) if found else None,
+            "compression_ratio": compression_ratio(text), "no_speech_prob": None}
+
+
+def _cue(segment: dict[str, Any], decimal: str) -> str:
+    """A segment's srt or vtt cue (its number, for srt, written before it): its times and its trimmed text."""
+    return f"{_clock(segment['start'], decimal)} --> {_clock(segment['end'], decimal)}\n{segment['text'].strip()}\n\n"
 
 
 def compression_ratio(text: str) -> float:

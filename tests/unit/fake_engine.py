@@ -18,7 +18,11 @@ transcription when `transcribes` is false, as a text model refuses it, and any o
 Whisper engine refuses it): its reply is `heard_text` (the task's verb and the clip's size) with one token per
 word, the logprobs when asked, and TranscriptionInfo (the request's language as a code, or "en" as if detected; the
 clip's duration, read from a WAV header, else 16-bit mono 16 kHz); every transcription received is kept, with its
-sampling, in `heard`. A stream sends its words in two messages, the info on the first.
+sampling, in `heard`. With `Transcription.timestamps` the choice carries segments as the engine's do: two words
+each, their times spread evenly over the clip, each segment's tokens its words' between two timestamp tokens
+(TIMESTAMP_ID + round(t / 0.02), no text), so the choice's token ids (and logprobs, one a token) are its segments'
+tokens in order and each segment's `first_token` is where they start; the text is the words alone either way. A
+stream sends its tokens in two messages, the info on the first, the segments on the last.
 It keeps the real engine's rules for a Batch call: an item id must be non-empty and unique within the call
 (else the item fails INVALID_ARGUMENT, as engine_server.server.servicer answers), and the call reads at most
 2 x `max_num_seqs` items ahead of its answers (the engine's intake window; the caller's further items wait).
@@ -59,6 +63,10 @@ DIMENSIONS = 8  # length of the fake engine's embeddings
 MAX_CLIP_S = 3600.0  # the engine's --max-transcription-seconds default: longer clips are refused (shorter ones past
 # Whisper's 30 s window are transcribed in windows)
 FAKE_LANGUAGES = {"en": "english", "de": "german", "fr": "french", "es": "spanish", "ja": "japanese"}
+WORD_ID = 100  # the fake's token id of a transcription's first word; word i is WORD_ID + i
+TIMESTAMP_ID = 1000  # the fake's `<|0.00|>` (above its word ids); `<|t|>` is TIMESTAMP_ID + round(t / 0.02)
+SEGMENT_WORDS = 2  # words of a transcription's segment, when it asks for timestamps
+Piece = tuple[str, int, types_pb2.TokenLogprob | None]  # a token of the fake's decode: (text, id, logprob if asked)
 
 
 @dataclass
@@ -385,13 +393,42 @@ def heard_text(speech: types_pb2.Transcription) -> str:
     return f" {verb} {len(speech.audio.data)} bytes{after}"
 
 
-def _heard_pieces(speech: types_pb2.Transcription, sampling: types_pb2.SamplingParams
-                  ) -> list[tuple[str, int, types_pb2.TokenLogprob | None]]:
-    """Each word of `heard_text` (with its leading space), its token id, and its logprob when asked for."""
+def _heard_decode(speech: types_pb2.Transcription, sampling: types_pb2.SamplingParams
+                  ) -> tuple[list[Piece], list[types_pb2.TranscriptionSegment]]:
+    """The fake model's tokens for a clip, and its segments when it asks for timestamps: each word of `heard_text`
+    (its leading space kept) with its id; with timestamps, each SEGMENT_WORDS words between their segment's start
+    and end timestamp tokens, the segments' times spread evenly over the clip."""
     words = [" " + w for w in heard_text(speech).split()]
-    return [(w, 100 + i, types_pb2.TokenLogprob(token_id=100 + i, token=w, logprob=-0.25 * (i + 1),
-                                               token_bytes=w.encode()) if sampling.logprobs else None)
-            for i, w in enumerate(words)]
+    if not speech.timestamps:
+        return [_word(w, i, sampling) for i, w in enumerate(words)], []
+    duration = clip_seconds(speech.audio.data)
+    groups = [list(enumerate(words))[i:i + SEGMENT_WORDS] for i in range(0, len(words), SEGMENT_WORDS)]
+    pieces: list[Piece] = []
+    found = []
+    for number, group in enumerate(groups):
+        start, end = duration * number / len(groups), duration * (number + 1) / len(groups)
+        tokens = [_timestamp(start, sampling), *(_word(w, i, sampling) for i, w in group), _timestamp(end, sampling)]
+        found.append(types_pb2.TranscriptionSegment(
+            start_seconds=start, end_seconds=end, text="".join(w for _, w in group),
+            token_ids=[token for _, token, _ in tokens], first_token=len(pieces), seek=0))
+        pieces += tokens
+    return pieces, found
+
+
+def _word(word: str, index: int, sampling: types_pb2.SamplingParams) -> Piece:
+    """The token of the text's word `index`: id WORD_ID + index; its logprob -0.25 (index + 1) when asked."""
+    token = WORD_ID + index
+    return word, token, types_pb2.TokenLogprob(token_id=token, token=word, logprob=-0.25 * (index + 1),
+                                               token_bytes=word.encode()) if sampling.logprobs else None
+
+
+def _timestamp(seconds: float, sampling: types_pb2.SamplingParams) -> Piece:
+    """The timestamp token of a time: no text (the engine keeps timestamps out of it); its logprob -0.125 when
+    asked."""
+    name = f"<|{seconds:.2f}|>"
+    token = TIMESTAMP_ID + round(seconds / 0.02)
+    return "", token, types_pb2.TokenLogprob(token_id=token, token=name, logprob=-0.125, token_bytes=name.encode()
+                                             ) if sampling.logprobs else None
 
 
 def _heard_info(speech: types_pb2.Transcription) -> types_pb2.TranscriptionInfo:
@@ -400,32 +437,34 @@ def _heard_info(speech: types_pb2.Transcription) -> types_pb2.TranscriptionInfo:
 
 
 def _heard_usage(speech: types_pb2.Transcription, completion: int) -> types_pb2.Usage:
-    """Four prompt tokens (Whisper's start, language, task and no-timestamps tokens) and one per prompt word."""
-    prompt = 4 + len(speech.prompt.split())
+    """Four prompt tokens (Whisper's start, language, task and no-timestamps tokens; three with timestamps) and one
+    per prompt word."""
+    prompt = (3 if speech.timestamps else 4) + len(speech.prompt.split())
     return types_pb2.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 def _heard_reply(request_id: str, speech: types_pb2.Transcription, sampling: types_pb2.SamplingParams
                  ) -> engine_pb2.GenerateResponse:
-    pieces = _heard_pieces(speech, sampling)
+    pieces, found = _heard_decode(speech, sampling)
     result = engine_pb2.GenerateResponse(request_id=request_id, model=MODEL, transcription=_heard_info(speech),
                                          usage=_heard_usage(speech, len(pieces)))
     result.choices.add(index=0, text="".join(w for w, _, _ in pieces), token_ids=[t for _, t, _ in pieces],
-                       logprobs=[lp for _, _, lp in pieces if lp is not None],
+                       logprobs=[lp for _, _, lp in pieces if lp is not None], segments=found,
                        finish_reason=types_pb2.FINISH_REASON_STOP)
     return result
 
 
 def _heard_stream(request_id: str, speech: types_pb2.Transcription, sampling: types_pb2.SamplingParams
                   ) -> list[engine_pb2.StreamResponse]:
-    pieces = _heard_pieces(speech, sampling)
+    pieces, found = _heard_decode(speech, sampling)
     half = len(pieces) // 2
     messages = []
     for number, part in enumerate((pieces[:half], pieces[half:])):
         last = number == 1
         delta = types_pb2.ChoiceDelta(index=0, text="".join(w for w, _, _ in part), token_ids=[t for _, t, _ in part],
                                       logprobs=[lp for _, _, lp in part if lp is not None],
-                                      finish_reason=types_pb2.FINISH_REASON_STOP if last else None)
+                                      finish_reason=types_pb2.FINISH_REASON_STOP if last else None,
+                                      segments=found if last else None)
         so_far = _heard_usage(speech, half if not last else len(pieces))
         message = engine_pb2.StreamResponse(request_id=request_id, choices=[delta], usage_so_far=so_far)
         if last:

@@ -1,8 +1,9 @@
 """OpenAI's speech-to-text routes through the official openai SDK against the gateway app and the fake engine:
-every response_format of /v1/audio/transcriptions and /v1/audio/translations, streams, the form's refusals and the
-engine's passed through in OpenAI's shape, auth, projects, rate limits and usage; and that the engine receives
-exactly the Transcription (bytes, language, task, prompt) and sampling the form asks for. The pure pieces (the
-answers' shapes, the engine's field names, routing's key) are tested apart, first."""
+every response_format of /v1/audio/transcriptions and /v1/audio/translations (the engine's segments as verbose_json's
+segments and srt / vtt cues), streams, the form's refusals and the engine's passed through in OpenAI's shape, auth,
+projects, rate limits and usage; and that the engine receives exactly the Transcription (bytes, language, task,
+prompt, timestamps) and sampling the form asks for. The pure pieces (the answers' shapes, the fallback for a reply
+without segments, the engine's field names, routing's key) and the fake engine's segments are tested apart, first."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -24,7 +26,7 @@ from gateway.routing import CHUNK_BYTES, clip_key, input_bytes, prefix_hashes
 from gateway.schemas.audio import TranscriptionForm
 from gateway.translate import transcriptions
 from gateway.translate.languages import LANGUAGE_NAMES, language_name
-from ladle.v1 import engine_pb2, types_pb2
+from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 from tests.unit.fake_engine import MODEL, FakeEngine, clip_seconds, gateway_client, heard_text, start_fake_engine
 from tests.unit.test_gateway_audio import MP3, wav
 
@@ -50,8 +52,10 @@ def heard(size: int = len(CLIP), verb: str = "heard", prompt: str = "") -> str:
     return heard_text(speech).strip()
 
 
-def speech(data: bytes = CLIP, language: str = "", task: int = TRANSCRIBE, prompt: str = "") -> types_pb2.Transcription:
-    return types_pb2.Transcription(audio=types_pb2.Audio(data=data), language=language, task=task, prompt=prompt)
+def speech(data: bytes = CLIP, language: str = "", task: int = TRANSCRIBE, prompt: str = "", timestamps: bool = False
+           ) -> types_pb2.Transcription:
+    return types_pb2.Transcription(audio=types_pb2.Audio(data=data), language=language, task=task, prompt=prompt,
+                                   timestamps=timestamps)
 
 
 def greedy(**fields: Any) -> types_pb2.SamplingParams:
@@ -62,6 +66,7 @@ def greedy(**fields: Any) -> types_pb2.SamplingParams:
 
 
 def reply(text: str = " Hello there.", duration: float = 2.5, language: str = "de") -> engine_pb2.GenerateResponse:
+    """An engine's reply without segments (as one that ignores timestamps answers)."""
     result = engine_pb2.GenerateResponse(transcription=types_pb2.TranscriptionInfo(language=language,
                                                                                    duration_seconds=duration))
     result.choices.add(text=text, token_ids=[7, 8], logprobs=[types_pb2.TokenLogprob(token=" Hello", logprob=-1.0),
@@ -70,9 +75,48 @@ def reply(text: str = " Hello there.", duration: float = 2.5, language: str = "d
     return result
 
 
-def test_each_format_answers_one_segment_over_the_clip() -> None:
-    def answer(fmt: Any, task: Any = "transcribe", **fields: Any) -> Any:
-        return transcriptions.answer(TranscriptionForm(response_format=fmt, **fields), task, reply(duration=3725.25))
+def timed_reply(logprobs: bool = True) -> engine_pb2.GenerateResponse:
+    """An engine's reply with two segments of an hour's clip, the second in a later window (its tokens from the
+    fifth on); a log-probability per token (timestamp tokens' too), or none."""
+    result = engine_pb2.GenerateResponse(transcription=types_pb2.TranscriptionInfo(language="de",
+                                                                                   duration_seconds=3725.25))
+    found = [-0.1, -1.0, -0.5, -0.1, -0.2, -2.0, -0.3]
+    result.choices.add(text=" Hello there. Bye.", token_ids=[50364, 7, 8, 50414, 50365, 9, 51000],
+                       logprobs=[types_pb2.TokenLogprob(logprob=f) for f in found] if logprobs else [], segments=[
+        types_pb2.TranscriptionSegment(start_seconds=0.0, end_seconds=1.0, text=" Hello there.",
+                                       token_ids=[50364, 7, 8, 50414], first_token=0, seek=0),
+        types_pb2.TranscriptionSegment(start_seconds=3600.5, end_seconds=3725.25, text=" Bye.",
+                                       token_ids=[50365, 9, 51000], first_token=4, seek=360_000)])
+    return result
+
+
+def test_each_timed_format_answers_the_engines_segments() -> None:
+    def answer(fmt: Any, logprobs: bool = True, **fields: Any) -> Any:
+        return transcriptions.answer(TranscriptionForm(response_format=fmt, **fields), "transcribe",
+                                     timed_reply(logprobs))
+
+    assert answer("srt") == ("1\n00:00:00,000 --> 00:00:01,000\nHello there.\n\n"
+                             "2\n01:00:00,500 --> 01:02:05,250\nBye.\n\n", "application/x-subrip")
+    assert answer("vtt") == ("WEBVTT\n\n00:00:00.000 --> 00:00:01.000\nHello there.\n\n"
+                             "01:00:00.500 --> 01:02:05.250\nBye.\n\n", "text/vtt")
+    assert answer("text") == ("Hello there. Bye.\n", "text/plain")
+    verbose, _ = answer("verbose_json", temperature=0.2)
+    assert verbose["text"] == "Hello there. Bye." and verbose["duration"] == 3725.25
+    first, second = verbose["segments"]
+    assert first == {"id": 0, "seek": 0, "start": 0.0, "end": 1.0, "text": " Hello there.",
+                     "tokens": [50364, 7, 8, 50414], "temperature": 0.2, "avg_logprob": pytest.approx(-0.425),
+                     "compression_ratio": transcriptions.compression_ratio(" Hello there."), "no_speech_prob": None}
+    assert (second["id"], second["seek"], second["start"], second["end"], second["text"], second["tokens"]) == (
+        1, 360_000, 3600.5, 3725.25, " Bye.", [50365, 9, 51000])
+    assert second["avg_logprob"] == pytest.approx(-2.5 / 3)  # its own tokens' logprobs, from its first token on
+    assert second["compression_ratio"] == transcriptions.compression_ratio(" Bye.")
+    assert [s["avg_logprob"] for s in answer("verbose_json", logprobs=False)[0]["segments"]] == [None, None]
+
+
+def test_a_reply_without_segments_answers_one_segment_over_the_clip() -> None:
+    def answer(fmt: Any, task: Any = "transcribe", text: str = " Hello there.", **fields: Any) -> Any:
+        return transcriptions.answer(TranscriptionForm(response_format=fmt, **fields), task,
+                                     reply(text, duration=3725.25))
 
     assert answer("json") == ({"text": "Hello there.", "usage": {"type": "tokens", "input_tokens": 5,
                                                                  "output_tokens": 2, "total_tokens": 7}},
@@ -91,6 +135,10 @@ def test_each_format_answers_one_segment_over_the_clip() -> None:
     with_logprobs, _ = answer("json", include=["logprobs"])
     assert with_logprobs["logprobs"] == [{"token": " Hello", "logprob": -1.0, "bytes": []},
                                          {"token": " there.", "logprob": -0.5, "bytes": []}]
+    # No text and no segments (silence): no segment, no cue.
+    assert answer("verbose_json", text="")[0]["segments"] == []
+    assert answer("srt", text="") == ("", "application/x-subrip")
+    assert answer("vtt", text="") == ("WEBVTT\n\n", "text/vtt")
 
 
 def test_languages_are_named_as_openai_names_them() -> None:
@@ -132,6 +180,34 @@ def test_the_fake_engine_reads_a_wav_clips_length() -> None:
     assert clip_seconds(CLIP) == 1.5 and clip_seconds(b"x" * 64_000) == 2.0
 
 
+async def test_the_fake_engines_segments_keep_the_engines_rules(fake: tuple[FakeEngine, str]) -> None:
+    """With timestamps: segments in order over the clip, their tokens the choice's in order from `first_token`, a
+    logprob a token, the text their texts; a stream's tokens the same, its segments on the last delta. Without: as
+    before, no segments."""
+    sampling = types_pb2.SamplingParams(logprobs=True)
+    request = engine_pb2.GenerateRequest(input=types_pb2.Input(transcription=speech(prompt="one two three",
+                                                                                    timestamps=True)),
+                                         sampling=sampling)
+    async with grpc.aio.insecure_channel(fake[1]) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        choice = (await stub.Generate(request)).choices[0]
+        streamed = [m.choices[0] async for m in stub.Stream(engine_pb2.StreamRequest(input=request.input,
+                                                                                      sampling=sampling))]
+        plain = (await stub.Generate(engine_pb2.GenerateRequest(input=types_pb2.Input(transcription=speech()),
+                                                                sampling=sampling))).choices[0]
+    found = list(choice.segments)
+    assert len(found) == 4 and choice.text == "".join(s.text for s in found) == " " + heard(prompt="one two three")
+    assert [t for s in found for t in s.token_ids] == list(choice.token_ids) == [e.token_id for e in choice.logprobs]
+    assert [s.first_token for s in found] == [0, 4, 8, 12] and {s.seek for s in found} == {0}
+    assert [(s.start_seconds, s.end_seconds) for s in found] == [(0.0, 0.375), (0.375, 0.75), (0.75, 1.125),
+                                                                  (1.125, 1.5)]
+    assert found[1].token_ids[0] == found[0].token_ids[-1] == 1000 + round(0.375 / 0.02)  # timestamp tokens
+    assert [d.segments for d in streamed[:-1]] == [[]] and list(streamed[-1].segments) == found
+    assert [t for d in streamed for t in d.token_ids] == list(choice.token_ids)
+    assert "".join(d.text for d in streamed) == choice.text
+    assert not plain.segments and list(plain.token_ids) == [100, 101, 102] and len(plain.logprobs) == 3
+
+
 # --- the routes, through the SDK ---
 
 
@@ -158,20 +234,40 @@ async def test_a_transcription_in_every_format(fake: tuple[FakeEngine, str], tmp
         text = await client.audio.transcriptions.create(model=MODEL, file=CLIP, response_format="text")
         assert text == heard() + "\n"
         srt = await client.audio.transcriptions.create(model=MODEL, file=CLIP, response_format="srt")
-        assert srt == f"1\n00:00:00,000 --> 00:00:01,500\n{heard()}\n\n"
+        assert srt == "1\n00:00:00,000 --> 00:00:00,750\nheard 48044\n\n2\n00:00:00,750 --> 00:00:01,500\nbytes\n\n"
         vtt = await client.audio.transcriptions.create(model=MODEL, file=CLIP, response_format="vtt")
-        assert vtt == f"WEBVTT\n\n00:00:00.000 --> 00:00:01.500\n{heard()}\n\n"
+        assert vtt == "WEBVTT\n\n00:00:00.000 --> 00:00:00.750\nheard 48044\n\n00:00:00.750 --> 00:00:01.500\nbytes\n\n"
         verbose = await client.audio.transcriptions.create(model=MODEL, file=CLIP, response_format="verbose_json",
-                                                           language="de", timestamp_granularities=["segment"])
-        assert (verbose.language, verbose.duration, verbose.text) == ("german", 1.5, heard())
-        assert engine.heard[-1] == (speech(language="de"), greedy(logprobs=True))  # for the segment's avg_logprob
-        assert verbose.segments is not None and len(verbose.segments) == 1
-        segment = verbose.segments[0]
-        assert (segment.start, segment.end, segment.text, segment.tokens) == (0.0, 1.5, " " + heard(), [100, 101, 102])
-        assert segment.avg_logprob == pytest.approx(-0.5) and segment.temperature == 0.0
+                                                           language="de", prompt="Ladle, Whisper.",
+                                                           timestamp_granularities=["segment"])
+        assert (verbose.language, verbose.duration, verbose.text) == ("german", 1.5, heard(prompt="Ladle, Whisper."))
+        # Timestamps asked, and logprobs for the segments' avg_logprob.
+        assert engine.heard[-1] == (speech(language="de", prompt="Ladle, Whisper.", timestamps=True),
+                                    greedy(logprobs=True))
+        assert verbose.segments is not None
+        assert [(s.id, s.seek, s.start, s.end, s.text, s.tokens) for s in verbose.segments] == [
+            (0, 0, 0.0, 0.5, " heard 48044", [1000, 100, 101, 1025]),
+            (1, 0, 0.5, 1.0, " bytes after", [1025, 102, 103, 1050]),
+            (2, 0, 1.0, 1.5, " Ladle, Whisper.", [1050, 104, 105, 1075])]
+        # Each segment's own tokens' logprobs: its words' (-0.25 a word on) and its two timestamps' (-0.125 each).
+        assert [s.avg_logprob for s in verbose.segments] == pytest.approx([-0.25, -0.5, -0.75])
+        assert [s.temperature for s in verbose.segments] == [0.0] * 3
+        assert [s.compression_ratio for s in verbose.segments] == [
+            transcriptions.compression_ratio(t) for t in (" heard 48044", " bytes after", " Ladle, Whisper.")]
         detected = await client.audio.transcriptions.create(model=MODEL, file=MP3, response_format="verbose_json")
         assert detected.language == "english"  # the fake "detects" English when no language is given
         assert engine.heard[-1][0].audio.data == MP3  # passed on as it came: the engine decodes
+
+
+@pytest.mark.parametrize(("fmt", "timestamps"), [("json", False), ("text", False), ("verbose_json", True),
+                                                 ("srt", True), ("vtt", True)])
+async def test_the_formats_that_show_times_ask_the_engine_for_timestamps(
+    fake: tuple[FakeEngine, str], tmp_path: Path, fmt: Any, timestamps: bool
+) -> None:
+    async with gateway_client(fake[1], tmp_path) as http:
+        await sdk(http).audio.transcriptions.create(model=MODEL, file=CLIP, response_format=fmt)
+        await sdk(http).audio.translations.create(model=MODEL, file=CLIP, response_format=fmt)
+    assert [transcription.timestamps for transcription, _ in fake[0].heard] == [timestamps, timestamps]
 
 
 async def test_the_engine_receives_exactly_the_forms_transcription_and_sampling(
@@ -203,11 +299,13 @@ async def test_translations_in_every_format(fake: tuple[FakeEngine, str], tmp_pa
         verbose = await client.audio.translations.create(model=MODEL, file=CLIP, response_format="verbose_json",
                                                          extra_body={"language": "de", "to_language": "en"})
         assert (verbose.language, verbose.duration) == ("english", 1.5)  # the language of what it wrote
-        assert fake[0].heard[-1][0] == speech(language="de", task=TRANSLATE)  # vLLM's source-language extra
+        assert fake[0].heard[-1][0] == speech(language="de", task=TRANSLATE, timestamps=True)  # vLLM's extra
         assert await client.audio.translations.create(model=MODEL, file=CLIP, response_format="text") == \
             heard(verb="translated") + "\n"
         srt = await client.audio.translations.create(model=MODEL, file=CLIP, response_format="srt")
-        assert srt.endswith(f"--> 00:00:01,500\n{heard(verb='translated')}\n\n")
+        assert srt == ("1\n00:00:00,000 --> 00:00:00,750\ntranslated 48044\n\n"
+                       "2\n00:00:00,750 --> 00:00:01,500\nbytes\n\n")
+        assert fake[0].heard[-1][0] == speech(task=TRANSLATE, timestamps=True)
         with pytest.raises(openai.BadRequestError) as bad:
             await client.audio.translations.create(model=MODEL, file=CLIP, extra_body={"to_language": "de"})
         assert bad.value.param == "to_language" and "English only" in bad.value.message
@@ -272,7 +370,9 @@ def form(fields: dict[str, str], file: bytes | None = CLIP) -> dict[str, Any]:
     ({"model": MODEL}, None, "file", "no `file` part"),
     ({"model": MODEL}, b"", "file", "empty"),
     ({"response_format": "diarized_json"}, CLIP, "response_format", "verbose_json"),
-    ({"timestamp_granularities[]": "word"}, CLIP, "timestamp_granularities", "no word timings"),
+    ({"timestamp_granularities[]": "word"}, CLIP, "timestamp_granularities",
+     "the engine gives segment timestamps (Whisper's timestamp tokens); word timings (cross-attention alignment) are "
+     "not measured"),
     ({"include[]": "confidence"}, CLIP, "include", "'confidence' is not available"),
     ({"include[]": "logprobs", "response_format": "text"}, CLIP, "include", "json only"),
     ({"stream": "true", "response_format": "srt"}, CLIP, "stream", "json or text"),
