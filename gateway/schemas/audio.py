@@ -26,7 +26,9 @@ class TranscriptionForm(BaseModel):
 
     `language` is the speech's (ISO-639-1 or a name the model knows; unset: detected); on a translation it is
     vLLM's extra, the language translated from. `to_language` (vLLM's) may only be English: Whisper translates
-    into English alone. `temperature` unset is 0 (greedy), as OpenAI's whisper-1 decodes first.
+    into English alone. `temperature` unset is 0 (greedy), as OpenAI's whisper-1 decodes first, and then hotter
+    where the decode fails Whisper's checks (its temperature fallback); `temperature_fallback` (ladle's extra) false
+    decodes once.
     """
 
     model_config = IGNORE_EXTRA
@@ -49,6 +51,8 @@ class TranscriptionForm(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    # ladle's extra: false decodes a window once, greedily at temperature 0, without Whisper's temperature fallback.
+    temperature_fallback: bool = True
 
     @property
     def want_logprobs(self) -> bool:

@@ -4,10 +4,15 @@ functions.
 
 The formats that show times (verbose_json, srt, vtt) ask the engine for Whisper's timestamp tokens
 (`Transcription.timestamps`), and each of the engine's TranscriptionSegments answers as one of verbose_json's
-`segments` (its times, untrimmed text, token ids with their timestamp tokens, Whisper's `seek`, the form's
-temperature, its tokens' mean log-probability, Whisper's compression ratio; `no_speech_prob` is not measured: null)
-and as one srt or vtt cue (its text trimmed). Word timings are not measured (no cross-attention alignment). An
-engine's reply with text but no segments (one that ignores timestamps) answers as one segment over the whole clip.
+`segments` (its times, untrimmed text, token ids with their timestamp tokens, Whisper's `seek`, the temperature of
+the decode it came from, its tokens' mean log-probability, Whisper's compression ratio, its window's `no_speech_prob`
+where the engine measured it, else null) and as one srt or vtt cue (its text trimmed).
+A form whose `temperature` is unset or 0 asks Whisper's temperature fallback (`Transcription.temperature_fallback`),
+as OpenAI documents whisper-1's: "the model will use log probability to automatically increase the temperature
+until certain thresholds are hit"; a stream does not (it decodes each window once, greedily, so that its deltas come
+as they are made), nor a form with `temperature_fallback` false (ladle's extra).
+Word timings are not measured (no cross-attention alignment). An engine's reply with text but no segments (one that
+ignores timestamps) answers as one segment over the whole clip.
 The text answered is the model's with its surrounding white space trimmed (Whisper starts with a space), as OpenAI
 answers.
 Usage is OpenAI's token usage (`{"type": "tokens", ...}`) in json and in a stream's done event, the clip's seconds
@@ -60,13 +65,16 @@ def transcription_request(
     form: TranscriptionForm, audio: bytes, task: Task, request_id: str, cache_salt: str = "", adapter: str = ""
 ) -> engine_pb2.GenerateRequest:
     """One Generate request for the clip: `Input.transcription` (the bytes as they came, the language, the task,
-    the prompt, Whisper's timestamp tokens for a format that shows times) and the form's sampling, greedy unless
-    `temperature` is set; log-probabilities when the answer shows them (include logprobs) or is made of them
-    (verbose_json's avg_logprob). 400 as `check_form`."""
+    the prompt, Whisper's timestamp tokens for a format that shows times, its temperature fallback where the form's
+    temperature is unset or 0 and it does not stream) and the form's sampling, greedy unless `temperature` is set;
+    log-probabilities when the answer shows them (include logprobs) or is made of them (verbose_json's avg_logprob).
+    400 as `check_form`."""
     check_form(form)
     transcription = types_pb2.Transcription(audio=types_pb2.Audio(data=audio), language=form.language or "",
                                             task=TASKS[task], prompt=form.prompt,
-                                            timestamps=form.response_format in TIMED_FORMATS)
+                                            timestamps=form.response_format in TIMED_FORMATS,
+                                            temperature_fallback=form.temperature_fallback and not form.temperature
+                                            and not form.stream)
     sampling = types_pb2.SamplingParams(temperature=form.temperature if form.temperature is not None else 0.0,
                                         logprobs=form.want_logprobs or form.response_format == "verbose_json")
     if form.max_completion_tokens is not None:
@@ -135,25 +143,27 @@ def answer(
 
 def segments(choice: types_pb2.Choice, duration: float, temperature: float) -> list[dict[str, Any]]:
     """verbose_json's segments of a choice: one per engine segment, its avg_logprob the mean of its own tokens'
-    log-probabilities (Choice.logprobs from its `first_token`; None where none came). The fallback, for an engine
-    that answers text without segments (it ignores timestamps): one segment from 0 to the clip's duration over the
-    whole choice; no text and no segments: none."""
+    log-probabilities (Choice.logprobs from its `first_token`; None where none came), its temperature and no-speech
+    probability the engine's. The fallback, for an engine that answers text without segments (it ignores
+    timestamps): one segment from 0 to the clip's duration over the whole choice at `temperature` (the form's); no
+    text and no segments: none."""
     found = [e.logprob for e in choice.logprobs]
     if not choice.segments:
         if not choice.text:
             return []
         return [_segment(0, 0, 0.0, duration, choice.text, list(choice.token_ids), found, temperature)]
     return [_segment(index, s.seek, s.start_seconds, s.end_seconds, s.text, list(s.token_ids),
-                     found[s.first_token:s.first_token + len(s.token_ids)], temperature)
+                     found[s.first_token:s.first_token + len(s.token_ids)], round(s.temperature, 6),
+                     s.no_speech_prob if s.HasField("no_speech_prob") else None)
             for index, s in enumerate(choice.segments)]
 
 
 def _segment(index: int, seek: int, start: float, end: float, text: str, tokens: list[int], found: list[float],
-             temperature: float) -> dict[str, Any]:
+             temperature: float, no_speech_prob: float | None = None) -> dict[str, Any]:
     """One of verbose_json's segments, as whisper-1 writes it; `found`: its tokens' log-probabilities."""
     return {"id": index, "seek": seek, "start": start, "end": end, "text": text, "tokens": tokens,
             "temperature": temperature, "avg_logprob": sum(found) / len(found) if found else None,
-            "compression_ratio": compression_ratio(text), "no_speech_prob": None}
+            "compression_ratio": compression_ratio(text), "no_speech_prob": no_speech_prob}
 
 
 def _cue(segment: dict[str, Any], decimal: str) -> str:

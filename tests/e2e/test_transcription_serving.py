@@ -60,6 +60,22 @@ def decoded(folder: Path, model: Any, prompt: TranscriptionPrompt) -> tuple[list
     return reference_timestamps(folder, model, prompt, NEW_TOKENS)
 
 
+def no_speech(folder: Path, model: Any, data: bytes) -> float:
+    """transformers' probability of `<|nospeech|>` right after `<|startoftranscript|>` for the clip (Whisper's
+    measure of silence)."""
+    import torch
+    from transformers import AutoTokenizer, WhisperFeatureExtractor
+
+    from tests.unit.test_audio_input import heard
+
+    features = WhisperFeatureExtractor.from_pretrained(folder)(heard(data), sampling_rate=16_000,
+                                                               return_tensors="pt").input_features  # fmt: skip
+    start = torch.tensor([[model.generation_config.decoder_start_token_id]])
+    with torch.inference_mode():
+        logits = model(input_features=features, decoder_input_ids=start).logits[0, -1]
+    return float(logits.softmax(-1)[AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids("<|nospeech|>")])
+
+
 def offsets(folder: Path, tokens: list[int], seconds: float) -> list[tuple[str, float, float]]:
     """transformers' segments of `tokens` (its tokenizer's `output_offsets`), times held to the clip's `seconds`."""
     from transformers import AutoTokenizer
@@ -73,11 +89,13 @@ def test_the_openai_sdk_transcribes_and_translates_as_transformers_does(
 ) -> None:
     """A WAV in English (json), a 22.05 kHz clip whose language is detected (verbose_json: its name, its length and the
     segments of a decode with timestamps; srt: a cue each), a German FLAC translated, and the first one streamed: each
-    text is transformers' greedy tokens' for the clip as the engine hears it."""
+    text is transformers' greedy tokens' for the clip as the engine hears it (ladle's `temperature_fallback` false);
+    the first under Whisper's temperature fallback (OpenAI's default) decodes hotter, its silence measured as
+    transformers measures it."""
     folder, model, _, gateway = whisper_served
     sdk = openai.OpenAI(base_url=gateway.base_url, api_key="unused")
     model_id = sdk.models.list().data[0].id
-    limit = {"max_completion_tokens": NEW_TOKENS}
+    limit = {"max_completion_tokens": NEW_TOKENS, "temperature_fallback": False}  # (one greedy decode each)
     english, unknown, german = clip(11, 1.5), clip(12, 2.0, 22_050), clip(13, 1.2, 44_100, 2, "FLAC")
 
     reply = sdk.audio.transcriptions.create(model=model_id, file=("a.wav", english), language="en", extra_body=limit)
@@ -101,6 +119,13 @@ def test_the_openai_sdk_transcribes_and_translates_as_transformers_does(
     subtitles = sdk.audio.transcriptions.create(model=model_id, file=("b.wav", unknown), response_format="srt",
                                                 extra_body=limit)  # fmt: skip
     assert str(subtitles).count(" --> ") == len(verbose.segments)
+    fell_back = sdk.audio.transcriptions.create(model=model_id, file=("a.wav", english), language="en",
+                                                response_format="verbose_json",
+                                                extra_body={"max_completion_tokens": NEW_TOKENS, "seed": 5})
+    assert fell_back.segments  # (Whisper's temperature fallback: the random model's decodes all read as too unlikely)
+    assert {s.temperature for s in fell_back.segments} <= {0.2, 0.4, 0.6, 0.8, 1.0}
+    silence = no_speech(folder, model, english)
+    assert all(s.no_speech_prob == pytest.approx(silence, rel=1e-3) for s in fell_back.segments)
 
     translated = sdk.audio.translations.create(model=model_id, file=("c.flac", german), extra_body={
         **limit, "language": "de"})  # fmt: skip

@@ -22,7 +22,9 @@ sampling, in `heard`. With `Transcription.timestamps` the choice carries segment
 each, their times spread evenly over the clip, each segment's tokens its words' between two timestamp tokens
 (TIMESTAMP_ID + round(t / 0.02), no text), so the choice's token ids (and logprobs, one a token) are its segments'
 tokens in order and each segment's `first_token` is where they start; the text is the words alone either way. A
-stream sends its tokens in two messages, the info on the first, the segments on the last.
+stream sends its tokens in two messages, the info on the first, the segments on the last. Under
+`Transcription.temperature_fallback` (refused unless the sampling's temperature is 0, as the engine refuses it) the
+first decode passes Whisper's check: the answer is as without, its segments at temperature 0 with NO_SPEECH_PROB.
 It keeps the real engine's rules for a Batch call: an item id must be non-empty and unique within the call
 (else the item fails INVALID_ARGUMENT, as engine_server.server.servicer answers), and the call reads at most
 2 x `max_num_seqs` items ahead of its answers (the engine's intake window; the caller's further items wait).
@@ -66,6 +68,7 @@ FAKE_LANGUAGES = {"en": "english", "de": "german", "fr": "french", "es": "spanis
 WORD_ID = 100  # the fake's token id of a transcription's first word; word i is WORD_ID + i
 TIMESTAMP_ID = 1000  # the fake's `<|0.00|>` (above its word ids); `<|t|>` is TIMESTAMP_ID + round(t / 0.02)
 SEGMENT_WORDS = 2  # words of a transcription's segment, when it asks for timestamps
+NO_SPEECH_PROB = 0.125  # a segment's window's silence, measured under temperature fallback (its first decode passes)
 Piece = tuple[str, int, types_pb2.TokenLogprob | None]  # a token of the fake's decode: (text, id, logprob if asked)
 
 
@@ -127,7 +130,9 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         self.audio += [p.audio.data for m in value.chat.messages for p in m.content_parts if p.HasField("audio")]
         return None
 
-    def _speech_refusal(self, value: types_pb2.Input) -> tuple[str, str] | None:
+    def _speech_refusal(
+        self, value: types_pb2.Input, sampling: types_pb2.SamplingParams | None = None
+    ) -> tuple[str, str] | None:
         """(message, param) of the engine's INVALID_ARGUMENT for an input under the speech rules; None if it is
         fine (a transcription is then kept in `heard` by the caller)."""
         kind = value.WhichOneof("kind")
@@ -143,6 +148,9 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             return f"unknown language {speech.language!r}", "transcription.language"
         if speech.task not in types_pb2.TranscriptionTask.values():
             return f"unknown task {speech.task}", "transcription.task"
+        if speech.temperature_fallback and sampling is not None and sampling.temperature:
+            return ("temperature_fallback decodes greedily first, then hotter: the sampling's temperature must be 0, "
+                    f"not {sampling.temperature}", "temperature")  # (the engine's words)
         if (seconds := clip_seconds(speech.audio.data)) > self.max_clip_s:
             return (f"the audio clip is {seconds:.1f} s long; this model hears at most {self.max_clip_s:.0f} s a clip: "
                     "send it in shorter clips", "transcription.audio")  # (the engine's words)
@@ -152,7 +160,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         await asyncio.sleep(self.delay_s)
         if self.unavailable:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
-        if (refused := self._speech_refusal(request.input)) is not None:
+        if (refused := self._speech_refusal(request.input, request.sampling)) is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused[0], (("ladle-param", refused[1]),))
         if request.input.HasField("transcription"):
             self.heard.append((request.input.transcription, request.sampling))
@@ -168,7 +176,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     ) -> AsyncIterator[engine_pb2.StreamResponse]:
         if self.unavailable and not self.unavailable_after_output:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
-        if (refused := self._speech_refusal(request.input)) is not None:
+        if (refused := self._speech_refusal(request.input, request.sampling)) is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused[0], (("ladle-param", refused[1]),))
         if request.input.HasField("transcription"):
             self.heard.append((request.input.transcription, request.sampling))
@@ -410,7 +418,8 @@ def _heard_decode(speech: types_pb2.Transcription, sampling: types_pb2.SamplingP
         tokens = [_timestamp(start, sampling), *(_word(w, i, sampling) for i, w in group), _timestamp(end, sampling)]
         found.append(types_pb2.TranscriptionSegment(
             start_seconds=start, end_seconds=end, text="".join(w for _, w in group),
-            token_ids=[token for _, token, _ in tokens], first_token=len(pieces), seek=0))
+            token_ids=[token for _, token, _ in tokens], first_token=len(pieces), seek=0,
+            temperature=sampling.temperature, no_speech_prob=NO_SPEECH_PROB if speech.temperature_fallback else None))
         pieces += tokens
     return pieces, found
 

@@ -27,7 +27,15 @@ from gateway.schemas.audio import TranscriptionForm
 from gateway.translate import transcriptions
 from gateway.translate.languages import LANGUAGE_NAMES, language_name
 from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
-from tests.unit.fake_engine import MODEL, FakeEngine, clip_seconds, gateway_client, heard_text, start_fake_engine
+from tests.unit.fake_engine import (
+    MODEL,
+    NO_SPEECH_PROB,
+    FakeEngine,
+    clip_seconds,
+    gateway_client,
+    heard_text,
+    start_fake_engine,
+)
 from tests.unit.test_gateway_audio import MP3, wav
 
 CLIP = wav(1.5)  # 1.5 s of 16 kHz mono WAV: 48,044 bytes
@@ -52,10 +60,12 @@ def heard(size: int = len(CLIP), verb: str = "heard", prompt: str = "") -> str:
     return heard_text(speech).strip()
 
 
-def speech(data: bytes = CLIP, language: str = "", task: int = TRANSCRIBE, prompt: str = "", timestamps: bool = False
-           ) -> types_pb2.Transcription:
+def speech(data: bytes = CLIP, language: str = "", task: int = TRANSCRIBE, prompt: str = "", timestamps: bool = False,
+           fallback: bool = True) -> types_pb2.Transcription:
+    """The Transcription the gateway sends (`fallback`: Whisper's temperature fallback, asked by a form that neither
+    sets a temperature nor streams)."""
     return types_pb2.Transcription(audio=types_pb2.Audio(data=data), language=language, task=task, prompt=prompt,
-                                   timestamps=timestamps)
+                                   timestamps=timestamps, temperature_fallback=fallback)
 
 
 def greedy(**fields: Any) -> types_pb2.SamplingParams:
@@ -84,9 +94,10 @@ def timed_reply(logprobs: bool = True) -> engine_pb2.GenerateResponse:
     result.choices.add(text=" Hello there. Bye.", token_ids=[50364, 7, 8, 50414, 50365, 9, 51000],
                        logprobs=[types_pb2.TokenLogprob(logprob=f) for f in found] if logprobs else [], segments=[
         types_pb2.TranscriptionSegment(start_seconds=0.0, end_seconds=1.0, text=" Hello there.",
-                                       token_ids=[50364, 7, 8, 50414], first_token=0, seek=0),
+                                       token_ids=[50364, 7, 8, 50414], first_token=0, seek=0, temperature=0.2,
+                                       no_speech_prob=0.25),
         types_pb2.TranscriptionSegment(start_seconds=3600.5, end_seconds=3725.25, text=" Bye.",
-                                       token_ids=[50365, 9, 51000], first_token=4, seek=360_000)])
+                                       token_ids=[50365, 9, 51000], first_token=4, seek=360_000, temperature=0.5)])
     return result
 
 
@@ -100,14 +111,16 @@ def test_each_timed_format_answers_the_engines_segments() -> None:
     assert answer("vtt") == ("WEBVTT\n\n00:00:00.000 --> 00:00:01.000\nHello there.\n\n"
                              "01:00:00.500 --> 01:02:05.250\nBye.\n\n", "text/vtt")
     assert answer("text") == ("Hello there. Bye.\n", "text/plain")
-    verbose, _ = answer("verbose_json", temperature=0.2)
+    verbose, _ = answer("verbose_json")
     assert verbose["text"] == "Hello there. Bye." and verbose["duration"] == 3725.25
     first, second = verbose["segments"]
     assert first == {"id": 0, "seek": 0, "start": 0.0, "end": 1.0, "text": " Hello there.",
-                     "tokens": [50364, 7, 8, 50414], "temperature": 0.2, "avg_logprob": pytest.approx(-0.425),
-                     "compression_ratio": transcriptions.compression_ratio(" Hello there."), "no_speech_prob": None}
-    assert (second["id"], second["seek"], second["start"], second["end"], second["text"], second["tokens"]) == (
-        1, 360_000, 3600.5, 3725.25, " Bye.", [50365, 9, 51000])
+                     "tokens": [50364, 7, 8, 50414], "temperature": 0.2, "avg_logprob":
+                     pytest.approx(-0.425), "compression_ratio": transcriptions.compression_ratio(" Hello there."),
+                     "no_speech_prob": pytest.approx(0.25)}  # (the engine's temperature and silence, as measured)
+    assert (second["id"], second["seek"], second["start"], second["end"], second["text"], second["tokens"],
+            second["temperature"], second["no_speech_prob"]) == (1, 360_000, 3600.5, 3725.25, " Bye.",
+                                                                 [50365, 9, 51000], 0.5, None)  # fmt: skip
     assert second["avg_logprob"] == pytest.approx(-2.5 / 3)  # its own tokens' logprobs, from its first token on
     assert second["compression_ratio"] == transcriptions.compression_ratio(" Bye.")
     assert [s["avg_logprob"] for s in answer("verbose_json", logprobs=False)[0]["segments"]] == [None, None]
@@ -208,6 +221,22 @@ async def test_the_fake_engines_segments_keep_the_engines_rules(fake: tuple[Fake
     assert not plain.segments and list(plain.token_ids) == [100, 101, 102] and len(plain.logprobs) == 3
 
 
+async def test_the_fake_engine_refuses_a_fallback_that_is_not_greedy(fake: tuple[FakeEngine, str]) -> None:
+    """As the engine: Whisper's temperature fallback with a sampling temperature other than 0 is INVALID_ARGUMENT
+    naming `temperature`; at 0 its segments carry the temperature and the window's no-speech probability."""
+    timed = types_pb2.Input(transcription=speech(timestamps=True))
+    async with grpc.aio.insecure_channel(fake[1]) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            hot = types_pb2.SamplingParams(temperature=0.5)
+            await stub.Generate(engine_pb2.GenerateRequest(input=timed, sampling=hot))
+        fell_back = (await stub.Generate(engine_pb2.GenerateRequest(input=timed, sampling=greedy()))).choices[0]
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature must be 0" in str(
+        refused.value.details())
+    assert dict(refused.value.trailing_metadata() or ())["ladle-param"] == "temperature"
+    assert {(s.temperature, s.no_speech_prob) for s in fell_back.segments} == {(0.0, NO_SPEECH_PROB)}
+
+
 # --- the routes, through the SDK ---
 
 
@@ -251,7 +280,7 @@ async def test_a_transcription_in_every_format(fake: tuple[FakeEngine, str], tmp
             (2, 0, 1.0, 1.5, " Ladle, Whisper.", [1050, 104, 105, 1075])]
         # Each segment's own tokens' logprobs: its words' (-0.25 a word on) and its two timestamps' (-0.125 each).
         assert [s.avg_logprob for s in verbose.segments] == pytest.approx([-0.25, -0.5, -0.75])
-        assert [s.temperature for s in verbose.segments] == [0.0] * 3
+        assert [(s.temperature, s.no_speech_prob) for s in verbose.segments] == [(0.0, NO_SPEECH_PROB)] * 3
         assert [s.compression_ratio for s in verbose.segments] == [
             transcriptions.compression_ratio(t) for t in (" heard 48044", " bytes after", " Ladle, Whisper.")]
         detected = await client.audio.transcriptions.create(model=MODEL, file=MP3, response_format="verbose_json")
@@ -270,6 +299,23 @@ async def test_the_formats_that_show_times_ask_the_engine_for_timestamps(
     assert [transcription.timestamps for transcription, _ in fake[0].heard] == [timestamps, timestamps]
 
 
+@pytest.mark.parametrize(("fields", "fallback"), [
+    ({}, True), ({"temperature": 0.0}, True), ({"temperature": 0.3}, False),
+    ({"extra_body": {"temperature_fallback": False}}, False), ({"stream": True}, False),
+])  # fmt: skip
+async def test_a_form_at_temperature_0_asks_whispers_temperature_fallback(
+    fake: tuple[FakeEngine, str], tmp_path: Path, fields: dict[str, Any], fallback: bool
+) -> None:
+    """As OpenAI documents whisper-1's temperature: unset or 0 decodes greedily, then hotter while the decode fails
+    Whisper's checks; a temperature set decodes at it alone; a stream, and ladle's `temperature_fallback` false,
+    once."""
+    async with gateway_client(fake[1], tmp_path) as http:
+        answer = await sdk(http).audio.transcriptions.create(model=MODEL, file=CLIP, **fields)
+        if fields.get("stream"):
+            _ = [event async for event in answer]  # type: ignore[union-attr]
+    assert [transcription.temperature_fallback for transcription, _ in fake[0].heard] == [fallback]
+
+
 async def test_the_engine_receives_exactly_the_forms_transcription_and_sampling(
     fake: tuple[FakeEngine, str], tmp_path: Path
 ) -> None:
@@ -281,7 +327,7 @@ async def test_the_engine_receives_exactly_the_forms_transcription_and_sampling(
                         "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
                         "chunking_strategy": "auto"})  # an option of other models: ignored, as unknown fields are
     assert fake[0].heard == [(
-        speech(language="fr", prompt="Ladle, Whisper."),
+        speech(language="fr", prompt="Ladle, Whisper.", fallback=False),  # (a temperature set: decoded at it alone)
         types_pb2.SamplingParams(temperature=0.4, seed=2**63 - 1, top_p=0.9, top_k=5, min_p=0.1, max_tokens=40,
                                  presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1, logprobs=True))]
     assert reply.text == heard(prompt="Ladle, Whisper.")
@@ -325,7 +371,7 @@ async def test_a_stream_sends_text_deltas_then_the_whole_text_with_usage(
         assert done.usage is not None and (done.usage.input_tokens, done.usage.output_tokens) == (4, 3)
         assert done.logprobs is not None and len(done.logprobs) == 3
         assert [len(e.logprobs or []) for e in deltas] == [1, 2]
-        assert fake[0].heard[-1] == (speech(language="es"), greedy(logprobs=True))
+        assert fake[0].heard[-1] == (speech(language="es", fallback=False), greedy(logprobs=True))  # (decoded once)
         translated = await client.audio.translations.create(model=MODEL, file=CLIP, response_format="text",
                                                             extra_body={"stream": True})
         assert isinstance(translated, str)  # the SDK does not stream translations: the raw events
