@@ -95,7 +95,7 @@ class LanguageDetection:
 @dataclass(frozen=True)
 class SilenceProbe:
     """The one-token request that measures how silent a transcription's clip is (Whisper's `<|nospeech|>`
-    probability: `InputProcessor.no_speech_prob`), run beside its temperature fallback's first decode."""
+    probability: `InputProcessor.probes_silence`), run beside its temperature fallback's first decode."""
 
     transcription: TranscriptionPrompt
 
