@@ -11,9 +11,11 @@ The int8 default runs and gives each clip the same tokens alone as batched. What
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +147,34 @@ def reference_timestamps(
                                        logits_processor=LogitsProcessorList(rules), max_new_tokens=new,
                                        do_sample=False)  # fmt: skip
     return ids, [int(t) for t in out[0, len(ids):]]
+
+
+@contextlib.asynccontextmanager
+async def grpc_served(folder: Path, max_num_seqs: int | None = None) -> AsyncIterator[tuple[Any, Any]]:
+    """The Whisper in `folder` (float, a 64 MiB KV pool; at most `max_num_seqs` sequences a step where given) loaded
+    by `ServingEngine` behind the gRPC servicer on loopback: a stub to call it and the engine; both closed after."""
+    import grpc
+
+    from engine_server.server.servicer import EngineServicer
+    from engine_server.server.serving import ServingEngine
+    from ladle.v1 import engine_pb2_grpc
+
+    scheduler = SchedulerConfig() if max_num_seqs is None else SchedulerConfig(max_num_seqs=max_num_seqs)
+    config = EngineConfig(model=str(folder), device="cpu", quantization="none",
+                          cache=CacheConfig(memory_bytes=64 * 1024**2), scheduler=scheduler)  # fmt: skip
+    engine = await asyncio.to_thread(ServingEngine.load, config, asyncio.get_running_loop())
+    servicer = EngineServicer()
+    servicer.attach(engine)
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield engine_pb2_grpc.EngineServiceStub(channel), engine
+    finally:
+        await server.stop(None)
+        await engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -386,47 +416,27 @@ async def test_generate_and_stream_over_grpc_detect_the_language_and_report_it(w
     """Over the gRPC servicer on a served engine: a Generate with no language (detected first, its one-token request
     beside) and a Stream translating, each answered with transformers' tokens and the clip's TranscriptionInfo (on
     Stream's first message alone); a text prompt is refused (INVALID_ARGUMENT naming what is served)."""
-    import asyncio
-
     import grpc
 
-    from engine_server.server.servicer import EngineServicer
-    from engine_server.server.serving import ServingEngine
-    from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
+    from ladle.v1 import engine_pb2, types_pb2
 
     folder, model = whisper
     detected, translated = CASES["detected"](), CASES["translate"]()
-    # One sequence at a time: when the caller closes after window 0's first update, windows 1 and 2 are still waiting
-    # however slowly the test's event loop runs (running beside it, they could finish first on a loaded machine).
-    config = EngineConfig(model=str(folder), device="cpu", quantization="none",
-                          cache=CacheConfig(memory_bytes=64 * 1024**2), scheduler=SchedulerConfig(max_num_seqs=1))
-    engine = await asyncio.to_thread(ServingEngine.load, config, asyncio.get_running_loop())
-    servicer = EngineServicer()
-    servicer.attach(engine)
-    server = grpc.aio.server()
-    engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
     sampling = types_pb2.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
 
     def transcription(prompt: TranscriptionPrompt, task: types_pb2.TranscriptionTask.ValueType) -> types_pb2.Input:
         return types_pb2.Input(transcription=types_pb2.Transcription(
             audio=types_pb2.Audio(data=prompt.audio), language=prompt.language, task=task))  # fmt: skip
 
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = engine_pb2_grpc.EngineServiceStub(channel)
-            whole = await stub.Generate(engine_pb2.GenerateRequest(
-                input=transcription(detected, types_pb2.TRANSCRIPTION_TASK_UNSPECIFIED), sampling=sampling), timeout=60)
-            messages = [message async for message in stub.Stream(engine_pb2.StreamRequest(
-                input=transcription(translated, types_pb2.TRANSCRIPTION_TASK_TRANSLATE), sampling=sampling),
-                timeout=60)]  # fmt: skip
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await stub.Generate(engine_pb2.GenerateRequest(input=types_pb2.Input(text="hello"),
-                                                               sampling=sampling), timeout=60)  # fmt: skip
-    finally:
-        await server.stop(None)
-        await engine.close()
+    async with grpc_served(folder) as (stub, _):
+        whole = await stub.Generate(engine_pb2.GenerateRequest(
+            input=transcription(detected, types_pb2.TRANSCRIPTION_TASK_UNSPECIFIED), sampling=sampling), timeout=60)
+        messages = [message async for message in stub.Stream(engine_pb2.StreamRequest(
+            input=transcription(translated, types_pb2.TRANSCRIPTION_TASK_TRANSLATE), sampling=sampling),
+            timeout=60)]  # fmt: skip
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Generate(engine_pb2.GenerateRequest(input=types_pb2.Input(text="hello"),
+                                                           sampling=sampling), timeout=60)  # fmt: skip
     assert list(whole.choices[0].token_ids) == reference(folder, model, detected)[1]
     assert whole.transcription.language == "es" and round(whole.transcription.duration_seconds, 3) == 3.0
     assert [t for m in messages for c in m.choices for t in c.token_ids] == reference(folder, model, translated)[1]
@@ -528,13 +538,7 @@ async def test_a_long_clip_over_grpc_generate_and_stream(whisper: tuple[Path, An
     """The 65 s clip over the servicer: Generate (language detected on the first window) answers the windows'
     transformers tokens joined, their usage summed and the whole clip's seconds; Stream (German, a previous text)
     streams window 0's tokens, then window 1's, then window 2's, their texts joined as the whole text."""
-    import asyncio
-
-    import grpc
-
-    from engine_server.server.servicer import EngineServicer
-    from engine_server.server.serving import ServingEngine
-    from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
+    from ladle.v1 import engine_pb2, types_pb2
 
     folder, _ = whisper
     audio, _ = long_clip()
@@ -542,34 +546,20 @@ async def test_a_long_clip_over_grpc_generate_and_stream(whisper: tuple[Path, An
     german = TranscriptionPrompt(audio, "de", prompt=PREVIOUS)
     detected_windows, detected_expected = long_windows(whisper, detected)
     _, german_expected = long_windows(whisper, german)
-    # One sequence at a time: when the caller closes after window 0's first update, windows 1 and 2 are still waiting
-    # however slowly the test's event loop runs (running beside it, they could finish first on a loaded machine).
-    config = EngineConfig(model=str(folder), device="cpu", quantization="none",
-                          cache=CacheConfig(memory_bytes=64 * 1024**2), scheduler=SchedulerConfig(max_num_seqs=1))
-    engine = await asyncio.to_thread(ServingEngine.load, config, asyncio.get_running_loop())
-    servicer = EngineServicer()
-    servicer.attach(engine)
-    server = grpc.aio.server()
-    engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
     sampling = types_pb2.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
 
     def transcription(prompt: TranscriptionPrompt) -> types_pb2.Input:
         return types_pb2.Input(transcription=types_pb2.Transcription(
             audio=types_pb2.Audio(data=prompt.audio), language=prompt.language, prompt=prompt.prompt))  # fmt: skip
 
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = engine_pb2_grpc.EngineServiceStub(channel)
-            whole = await stub.Generate(engine_pb2.GenerateRequest(input=transcription(detected), sampling=sampling),
-                                        timeout=120)  # fmt: skip
-            messages = [message async for message in stub.Stream(engine_pb2.StreamRequest(
-                input=transcription(german), sampling=sampling), timeout=120)]  # fmt: skip
+    # One sequence at a time: when the caller closes after window 0's first update, windows 1 and 2 are still waiting
+    # however slowly the test's event loop runs (running beside it, they could finish first on a loaded machine).
+    async with grpc_served(folder, max_num_seqs=1) as (stub, engine):
+        whole = await stub.Generate(engine_pb2.GenerateRequest(input=transcription(detected), sampling=sampling),
+                                    timeout=120)  # fmt: skip
+        messages = [message async for message in stub.Stream(engine_pb2.StreamRequest(
+            input=transcription(german), sampling=sampling), timeout=120)]  # fmt: skip
         aborted = await cancelled_after_the_first_update(engine, TranscriptionPrompt(audio, "en"))
-    finally:
-        await server.stop(None)
-        await engine.close()
     assert list(whole.choices[0].token_ids) == [t for _, tokens in detected_expected for t in tokens]
     assert whole.usage.prompt_tokens == sum(len(ids) for ids, _ in detected_expected)
     assert whole.usage.completion_tokens == 3 * NEW_TOKENS

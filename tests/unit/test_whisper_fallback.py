@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 
-from engine_server.config import CacheConfig, EngineConfig
 from engine_server.errors import ValidationError
 from engine_server.frontend import fallback_answer
 from engine_server.multimodal import fallback
@@ -27,7 +26,7 @@ from engine_server.sampling.metadata import SamplingMetadata, SamplingRow
 from engine_server.sampling.sampler import Sampler
 from engine_server.sampling_params import SamplingParams
 from tests.unit.test_audio_input import heard
-from tests.unit.test_whisper import CASES, engine_in, reference_timestamps, save_whisper
+from tests.unit.test_whisper import CASES, engine_in, grpc_served, reference_timestamps, save_whisper
 
 NEW = 12
 
@@ -184,12 +183,8 @@ def test_what_cannot_fall_back_is_refused_by_name(
 def test_a_fallback_over_grpc(whisper: tuple[Path, Any]) -> None:
     """`Transcription.temperature_fallback` over the servicer's Generate and Stream: the answer the offline engine
     gives (a seed), its segments' temperature and no-speech probability on the wire; Stream sends it as one delta."""
-    import grpc
-
     from engine_server.server.convert import prompt_from_input
-    from engine_server.server.servicer import EngineServicer
-    from engine_server.server.serving import ServingEngine
-    from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
+    from ladle.v1 import engine_pb2, types_pb2
 
     folder, _ = whisper
     prompt = dataclasses.replace(CASES["transcribe"](), timestamps=True, temperature_fallback=True)
@@ -202,24 +197,10 @@ def test_a_fallback_over_grpc(whisper: tuple[Path, Any]) -> None:
     sampling = types_pb2.SamplingParams(temperature=0.0, max_tokens=NEW, seed=7)
 
     async def served() -> tuple[Any, list[Any]]:
-        config = EngineConfig(model=str(folder), device="cpu", quantization="none",
-                              cache=CacheConfig(memory_bytes=64 * 1024**2))  # fmt: skip
-        engine = await asyncio.to_thread(ServingEngine.load, config, asyncio.get_running_loop())
-        servicer = EngineServicer()
-        servicer.attach(engine)
-        server = grpc.aio.server()
-        engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = engine_pb2_grpc.EngineServiceStub(channel)
-                whole = await stub.Generate(engine_pb2.GenerateRequest(input=message, sampling=sampling), timeout=60)
-                stream = [m async for m in stub.Stream(engine_pb2.StreamRequest(input=message, sampling=sampling),
-                                                       timeout=60)]  # fmt: skip
-        finally:
-            await server.stop(None)
-            await engine.close()
+        async with grpc_served(folder) as (stub, _):
+            whole = await stub.Generate(engine_pb2.GenerateRequest(input=message, sampling=sampling), timeout=60)
+            stream = [m async for m in stub.Stream(engine_pb2.StreamRequest(input=message, sampling=sampling),
+                                                   timeout=60)]  # fmt: skip
         return whole, stream
 
     whole, stream = asyncio.run(served())

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 
-from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_server.errors import ValidationError
 from engine_server.multimodal.transcription import TIME_PRECISION, TimestampTokens, TranscriptionPrompt
 from engine_server.sampling.metadata import SamplingRow
@@ -28,6 +27,7 @@ from tests.unit.test_whisper import (
     LONG_CUTS,
     NEW_TOKENS,
     engine_in,
+    grpc_served,
     long_clip,
     reference_timestamps,
     save_whisper,
@@ -229,12 +229,8 @@ def test_a_long_clips_segments_are_placed_in_the_clip(whisper: tuple[Path, Any])
 def test_timestamps_over_grpc_generate_and_stream(whisper: tuple[Path, Any]) -> None:
     """Over the servicer: Generate with `timestamps` answers each choice's segments as the offline engine reads them;
     Stream sends them on the choice's last delta alone; `Transcription.timestamps` converts."""
-    import grpc
-
     from engine_server.server.convert import prompt_from_input
-    from engine_server.server.servicer import EngineServicer
-    from engine_server.server.serving import ServingEngine
-    from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
+    from ladle.v1 import engine_pb2, types_pb2
 
     folder, _ = whisper
     prompt = dataclasses.replace(CASES["transcribe"](), timestamps=True)
@@ -246,24 +242,10 @@ def test_timestamps_over_grpc_generate_and_stream(whisper: tuple[Path, Any]) -> 
         (offline,) = llm.generate([prompt], dataclasses.replace(GREEDY, max_tokens=40), use_tqdm=False)
 
     async def served() -> tuple[Any, list[Any]]:
-        config = EngineConfig(model=str(folder), device="cpu", quantization="none",
-                              cache=CacheConfig(memory_bytes=64 * 1024**2), scheduler=SchedulerConfig())  # fmt: skip
-        engine = await asyncio.to_thread(ServingEngine.load, config, asyncio.get_running_loop())
-        servicer = EngineServicer()
-        servicer.attach(engine)
-        server = grpc.aio.server()
-        engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = engine_pb2_grpc.EngineServiceStub(channel)
-                whole = await stub.Generate(engine_pb2.GenerateRequest(input=message, sampling=sampling), timeout=60)
-                stream = [m async for m in stub.Stream(engine_pb2.StreamRequest(input=message, sampling=sampling),
-                                                       timeout=60)]  # fmt: skip
-        finally:
-            await server.stop(None)
-            await engine.close()
+        async with grpc_served(folder) as (stub, _):
+            whole = await stub.Generate(engine_pb2.GenerateRequest(input=message, sampling=sampling), timeout=60)
+            stream = [m async for m in stub.Stream(engine_pb2.StreamRequest(input=message, sampling=sampling),
+                                                   timeout=60)]  # fmt: skip
         return whole, stream
 
     whole, stream = asyncio.run(served())
