@@ -5,8 +5,13 @@ one clip (64 new tokens) start to end and to its first token, and 8 clips at onc
 transformers' `generate` takes them as one batch too: Whisper's features are all one window long). The
 float path's greedy tokens must equal transformers' (the script fails otherwise). Whisper's encoder always reads its
 30-second window, and it is transformers' float module on every path, so the first token is no faster.
+With `--timestamps` the vocabulary has Whisper's 1,501 timestamp tokens and every decode keeps to its timestamp rules:
+the engine's `Transcription.timestamps`, and transformers' one decode under its `WhisperTimeStampLogitsProcessor`
+(`GenerationMixin.generate` from the same prompt: Whisper's own `generate` would decode again from the last timestamp).
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.transcription_cpu --out benchmarks/results/transcription_cpu.jsonl
+    PYTHONPATH=. .venv/bin/python -m benchmarks.transcription_cpu --timestamps \
+        --out benchmarks/results/transcription_cpu.jsonl
 """
 
 from __future__ import annotations
@@ -33,11 +38,18 @@ SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", *[f"<|{code}|>" for code i
             "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"]  # fmt: skip
 
 
-def save_checkpoint(folder: Path) -> Any:
-    """The benchmark's random Whisper checkpoint in `folder`, with its feature extractor and generation config."""
+TIMESTAMPS = [f"<|{i * 0.02:.2f}|>" for i in range(1501)]  # <|0.00|> to <|30.00|>, after <|notimestamps|>
+
+
+def save_checkpoint(folder: Path, timestamps: bool = False) -> Any:
+    """The benchmark's random Whisper checkpoint in `folder`, with its feature extractor and generation config (and
+    Whisper's timestamp tokens, where `timestamps`)."""
     import transformers
 
     tokenizer = vision_tokenizer(folder, SPECIALS, "")
+    if timestamps:
+        tokenizer.add_tokens(TIMESTAMPS)
+        tokenizer.save_pretrained(folder)
     ids = {token: int(tokenizer.convert_tokens_to_ids(token)) for token in SPECIALS}
     eos, start = ids["<|endoftext|>"], ids["<|startoftranscript|>"]
     config = transformers.WhisperConfig(**SHAPE, vocab_size=len(tokenizer), decoder_start_token_id=start,
@@ -49,6 +61,7 @@ def save_checkpoint(folder: Path) -> Any:
         task_to_id={"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]},
         no_timestamps_token_id=ids["<|notimestamps|>"], prev_sot_token_id=ids["<|startofprev|>"],
         is_multilingual=True, suppress_tokens=[], begin_suppress_tokens=[eos], max_length=448,
+        max_initial_timestamp_index=50,
     )  # fmt: skip
     generation.save_pretrained(folder)
     model.generation_config = generation
@@ -56,22 +69,32 @@ def save_checkpoint(folder: Path) -> Any:
     return model
 
 
-def transformers_run(model: Any, folder: Path, clips: list[bytes]) -> dict[str, Any]:
-    """transformers' timings over `clips` (`media_input.transformers_run`)."""
+def transformers_run(model: Any, folder: Path, clips: list[bytes], timestamps: bool = False) -> dict[str, Any]:
+    """transformers' timings over `clips` (`media_input.transformers_run`); with `timestamps`, one decode each under
+    Whisper's timestamp processor."""
     import numpy as np
     import soundfile
     import torch
-    from transformers import WhisperFeatureExtractor
+    from transformers import GenerationMixin, LogitsProcessorList, WhisperFeatureExtractor
+    from transformers.generation.logits_process import WhisperTimeStampLogitsProcessor
 
     extractor = WhisperFeatureExtractor.from_pretrained(folder)
+    generation = model.generation_config
+    prompt = [generation.decoder_start_token_id, generation.lang_to_id["<|en|>"], generation.task_to_id["transcribe"]]
 
     def generate_all(batch: Sequence[bytes], new: int) -> list[list[int]]:
         samples = [np.asarray(soundfile.read(io.BytesIO(clip), dtype="float32")[0]) for clip in batch]
         features = extractor(samples, sampling_rate=RATE, return_tensors="pt").input_features
         with torch.inference_mode():
-            out = model.generate(features, language="en", task="transcribe", max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False)  # fmt: skip
-        return [[int(t) for t in row] for row in out]
+            if not timestamps:
+                out = model.generate(features, language="en", task="transcribe", max_new_tokens=new,
+                                     min_new_tokens=new, do_sample=False)  # fmt: skip
+                return [[int(t) for t in row] for row in out]
+            rules = LogitsProcessorList([WhisperTimeStampLogitsProcessor(generation, len(prompt))])
+            out = GenerationMixin.generate(model, input_features=features, decoder_input_ids=torch.tensor(
+                [prompt] * len(batch)), logits_processor=rules, max_new_tokens=new, min_new_tokens=new,
+                do_sample=False)  # fmt: skip
+        return [[int(t) for t in row[len(prompt):]] for row in out]
 
     def generate(clip: bytes, new: int) -> list[int]:
         return generate_all([clip], new)[0]
@@ -84,23 +107,25 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=8, help="clips at once")
+    parser.add_argument("--timestamps", action="store_true", help="decode with Whisper's timestamp tokens")
     parser.add_argument("--out", type=Path, help="append the results to this JSONL file")
     args = parser.parse_args(argv)
-    command = "python -m benchmarks.transcription_cpu" + (f" --out {args.out}" if args.out else "")
+    command = "python -m benchmarks.transcription_cpu" + (" --timestamps" if args.timestamps else "") + (
+        f" --out {args.out}" if args.out else "")
     clips = [recording(seed) for seed in range(args.requests)]
     with tempfile.TemporaryDirectory() as root:
         folder = Path(root) / "whisper"
-        model = save_checkpoint(folder)
+        model = save_checkpoint(folder, args.timestamps)
         model.eval()
-        peer = transformers_run(model, folder, clips)
-        prompts = [TranscriptionPrompt(clip, "en") for clip in clips]
-        runs = media_input.compared_runs(folder, peer, prompts, TranscriptionPrompt(recording(99), "en"), NEW,
-                                         max_model_len=SHAPE["max_target_positions"])  # fmt: skip
+        peer = transformers_run(model, folder, clips, args.timestamps)
+        prompts = [TranscriptionPrompt(clip, "en", timestamps=args.timestamps) for clip in clips]
+        warm = TranscriptionPrompt(recording(99), "en", timestamps=args.timestamps)
+        runs = media_input.compared_runs(folder, peer, prompts, warm, NEW, max_model_len=SHAPE["max_target_positions"])
     if runs is None:
         return 1
     result = media_input.result_record(
         "transcription_cpu", command, runs, args.requests, NEW, model="whisper", shape=SHAPE, weights="random",
-        clip_seconds=SECONDS,
+        clip_seconds=SECONDS, timestamps=args.timestamps,
     )  # fmt: skip
     print(result)
     if args.out:
