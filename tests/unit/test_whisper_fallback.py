@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import math
 import zlib
 from pathlib import Path
@@ -26,7 +27,15 @@ from engine_server.sampling.metadata import SamplingMetadata, SamplingRow
 from engine_server.sampling.sampler import Sampler
 from engine_server.sampling_params import SamplingParams
 from tests.unit.test_audio_input import heard
-from tests.unit.test_whisper import CASES, engine_in, grpc_served, reference_timestamps, save_whisper
+from tests.unit.test_whisper import (
+    CASES,
+    LONG_CUTS,
+    engine_in,
+    grpc_served,
+    long_clip,
+    reference_timestamps,
+    save_whisper,
+)
 
 NEW = 12
 
@@ -146,6 +155,28 @@ def test_a_fallback_decodes_hotter_until_the_check_passes(
         assert all(s.no_speech_prob == pytest.approx(no_speech, abs=1e-5) for s in answer.choices[0].segments)
     assert answers[2].choices[0].token_ids == alone.choices[0].token_ids
     assert stops == [5, 5] if thresholds is None else (0 in stops and any(0 < stop < 5 for stop in stops))
+
+
+@pytest.mark.slow
+def test_a_long_clip_falls_back_window_by_window(whisper: tuple[Path, Any]) -> None:
+    """The 65 s clip under fallback (timestamps, a seed): each of its three windows falls back on its own, as the
+    window decoded alone under fallback answers; the joined usage sums theirs, the segments are theirs placed."""
+    from engine_server.multimodal.clip_windows import window_wav
+
+    folder, _ = whisper
+    audio, samples = long_clip()
+    prompt = TranscriptionPrompt(audio, "en", timestamps=True, temperature_fallback=True)
+    windows = [dataclasses.replace(prompt, audio=window_wav(samples[a:b], 16_000))
+               for a, b in itertools.pairwise(LONG_CUTS)]  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=6, seed=11)
+    with engine_in(folder) as llm:
+        (joined,) = llm.generate([prompt], params, use_tqdm=False)
+        alone = llm.generate(windows, params, use_tqdm=False)
+    assert joined.choices[0].token_ids == [t for r in alone for t in r.choices[0].token_ids]
+    assert joined.usage.completion_tokens == sum(r.usage.completion_tokens for r in alone) > 3 * 6  # (hotter too)
+    assert [(s.temperature, s.no_speech_prob) for s in joined.choices[0].segments] == [
+        (s.temperature, s.no_speech_prob) for r in alone for s in r.choices[0].segments]
+    assert {s.seek for s in joined.choices[0].segments} == {0, 2945, 5880}
 
 
 @pytest.mark.slow
