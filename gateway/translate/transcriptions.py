@@ -167,8 +167,10 @@ def _segment(index: int, seek: int, start: float, end: float, text: str, tokens:
 
 
 def _cue(segment: dict[str, Any], decimal: str) -> str:
-    """A segment's srt or vtt cue (its number, for srt, written before it): its times and its trimmed text."""
-    return f"{_clock(segment['start'], decimal)} --> {_clock(segment['end'], decimal)}\n{segment['text'].strip()}\n\n"
+    """A segment's srt or vtt cue (its number, for srt, written before it): its times and its trimmed text, any "-->"
+    in it written "->" (the cue's own arrow), as Whisper's writers do."""
+    text = segment["text"].strip().replace("-->", "->")
+    return f"{_clock(segment['start'], decimal)} --> {_clock(segment['end'], decimal)}\n{text}\n\n"
 
 
 def compression_ratio(text: str) -> float:

@@ -111,6 +111,10 @@ def test_each_timed_format_answers_the_engines_segments() -> None:
     assert answer("vtt") == ("WEBVTT\n\n00:00:00.000 --> 00:00:01.000\nHello there.\n\n"
                              "01:00:00.500 --> 01:02:05.250\nBye.\n\n", "text/vtt")
     assert answer("text") == ("Hello there. Bye.\n", "text/plain")
+    arrow = timed_reply(True)
+    arrow.choices[0].segments[0].text = " A --> B"
+    assert transcriptions.answer(TranscriptionForm(response_format="srt"), "transcribe", arrow)[0].startswith(
+        "1\n00:00:00,000 --> 00:00:01,000\nA -> B\n\n")  # (a cue's text never holds the cue's arrow)
     verbose, _ = answer("verbose_json")
     assert verbose["text"] == "Hello there. Bye." and verbose["duration"] == 3725.25
     first, second = verbose["segments"]
