@@ -9,6 +9,7 @@ sent to the Whisper engine, and a transcription sent to a text model's engine, a
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,38 @@ def test_the_openai_sdk_transcribes_and_translates_as_transformers_does(
     deltas = "".join(event.delta for event in events if event.type == "transcript.text.delta")
     done = [event for event in events if event.type == "transcript.text.done"]
     assert len(done) == 1 and done[0].text == reply.text and deltas.strip() == reply.text
+
+
+def test_a_long_clip_through_the_sdk_answers_its_windows_segments(
+    whisper_served: tuple[Path, Any, EngineProcess, GatewayProcess],
+) -> None:
+    """A 65 s clip (a 4 MB float WAV) as verbose_json and srt through the SDK: the engine cuts it into three windows
+    at its quiet gaps, and the answer is each window's transformers decode with timestamps, their segments placed in
+    the clip (starts moved by 29.45 s and 58.8 s, `seek` the window's), the duration the whole clip's."""
+    from engine_server.multimodal.clip_windows import window_wav
+    from tests.unit.test_whisper import LONG_CUTS, long_clip
+
+    folder, model, _, gateway = whisper_served
+    sdk = openai.OpenAI(base_url=gateway.base_url, api_key="unused")
+    model_id = sdk.models.list().data[0].id
+    audio, samples = long_clip()
+    limit = {"max_completion_tokens": NEW_TOKENS, "temperature_fallback": False}
+    verbose = sdk.audio.transcriptions.create(model=model_id, file=("long.wav", audio), language="en",
+                                              response_format="verbose_json", extra_body=limit)  # fmt: skip
+    expected: list[tuple[str, float, float, int]] = []
+    for (start, end), offset in zip(itertools.pairwise(LONG_CUTS), (0.0, 29.45, 58.8), strict=False):
+        window = TranscriptionPrompt(window_wav(samples[start:end], 16_000), "en", timestamps=True)
+        tokens = reference_timestamps(folder, model, window, NEW_TOKENS)[1]
+        expected += [(text, round(begin + offset, 3), round(stop + offset, 3), round(offset * 100))
+                     for text, begin, stop in offsets(folder, tokens, (end - start) / 16_000)]  # fmt: skip
+    assert verbose.duration == pytest.approx(65.0, abs=1e-3) and verbose.segments is not None
+    got = [(s.text, round(s.start, 3), round(s.end, 3), s.seek) for s in verbose.segments]
+    answered = iter(got)  # transformers' closed segments, in order, among ours (ours keep an unclosed last one too)
+    assert expected and all(segment in answered for segment in expected)
+    assert {s.seek for s in verbose.segments} == {0, 2945, 5880}
+    subtitles = str(sdk.audio.transcriptions.create(model=model_id, file=("long.wav", audio), language="en",
+                                                    response_format="srt", extra_body=limit))  # fmt: skip
+    assert subtitles.count(" --> ") == len(verbose.segments)
 
 
 def test_grpc_callers_send_transcriptions(whisper_served: tuple[Path, Any, EngineProcess, GatewayProcess]) -> None:
