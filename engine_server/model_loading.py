@@ -519,6 +519,9 @@ def _eager_reason(loaded: LoadedModel) -> str | None:
         # (each expert's GEMM sized by the tokens routed to it, which a recorded graph cannot follow)
         (bool(model.num_experts),
          "a mixture-of-experts model decodes eagerly: its expert GEMMs are not recorded in CUDA graphs"),
+        # (every row reads its clip's K/V inside each layer, one request at a time: graphs would go unused)
+        (model.multimodal is not None and model.multimodal.transcribes,
+         "Whisper decodes eagerly: every step's rows read their clips' cross-attention, which the graphs do not hold"),
     )  # fmt: skip
     return next((why for applies, why in reasons if applies), None)
 

@@ -370,6 +370,13 @@ def test_a_transcription_on_another_model_is_refused(tmp_path: Path) -> None:
     assert refused.value.param == "input.transcription"
 
 
+def test_whisper_captures_no_decode_graphs(served: LLM) -> None:
+    """Every Whisper step reads its rows' clips (run eagerly), so loading on CUDA records no decode graphs for it."""
+    from engine_server import model_loading
+
+    assert "Whisper decodes eagerly" in str(model_loading._eager_reason(served.core.runner.loaded))
+
+
 def test_unserved_configurations_are_refused(whisper: tuple[Path, Any], tmp_path: Path) -> None:
     """Tensor parallelism, and a checkpoint stored quantized, are refused by name before anything loads."""
     import json
