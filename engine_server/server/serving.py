@@ -357,7 +357,7 @@ class ServingEngine:
                         yield update
                 return
         if self.inputs.needs_language(request.prompt):  # a transcription without a language: detected first
-            request = await self._with_language(request, deadline)
+            request = await self._with_language(request, deadline, wait)
         if isinstance(request.prompt, TranscriptionPrompt) and request.prompt.temperature_fallback:
             async with contextlib.aclosing(self._generate_fallback(request, deadline, wait)) as fallback:
                 async for update in fallback:
@@ -409,7 +409,7 @@ class ServingEngine:
         Closing early, an error or the deadline in any window aborts every window."""
         windows, seconds = windowed
         if self.inputs.needs_language(windows[0]):
-            first = await self._with_language(dataclasses.replace(request, prompt=windows[0]), deadline)
+            first = await self._with_language(dataclasses.replace(request, prompt=windows[0]), deadline, wait)
             language = cast(TranscriptionPrompt, first.prompt).language
             windows = [dataclasses.replace(window, language=language) for window in windows]
         queues: list[asyncio.Queue[StepUpdate | BaseException]] = [asyncio.Queue() for _ in windows]
@@ -463,7 +463,7 @@ class ServingEngine:
         anything runs (`InputProcessor.fallback_attempt`); closing early aborts what runs."""
         prompt = cast(TranscriptionPrompt, request.prompt)
         attempt, params = self.inputs.fallback_attempt(prompt, request.params, TEMPERATURES[0])
-        probe = asyncio.create_task(self._no_speech(request, deadline)) if self.inputs.probes_silence else None
+        probe = asyncio.create_task(self._no_speech(request, deadline, wait)) if self.inputs.probes_silence else None
         try:
             tried = [await self._result(dataclasses.replace(request, prompt=attempt, params=params), deadline, wait)]
             no_speech = await probe if probe is not None else None
@@ -492,25 +492,22 @@ class ServingEngine:
         assert result is not None, "generate yields a finished update"
         return result
 
-    async def _no_speech(self, request: GenerationInput, deadline: float | None) -> float:
+    async def _no_speech(self, request: GenerationInput, deadline: float | None, wait: bool) -> float:
         """The probability of `<|nospeech|>` after the transcription's `<|startoftranscript|>` (its `SilenceProbe`'s
-        one token's raw log-probability), run under the same deadline and priority."""
+        one token's raw log-probability), run under the same deadline and priority (`wait` as `generate`'s)."""
         probe = dataclasses.replace(request, prompt=SilenceProbe(cast(TranscriptionPrompt, request.prompt)))
-        logprobs = (await self._result(probe, deadline, wait=False)).choices[0].logprobs
+        logprobs = (await self._result(probe, deadline, wait)).choices[0].logprobs
         assert logprobs, "a silence probe asks its token's log-probability"
         return math.exp(logprobs[0].logprob)
 
-    async def _with_language(self, request: GenerationInput, deadline: float | None) -> GenerationInput:
+    async def _with_language(self, request: GenerationInput, deadline: float | None, wait: bool) -> GenerationInput:
         """`request` (a transcription naming no language) in the language its clip is detected to be in: one greedy
-        token of its `LanguageDetection` request, run first under the same deadline and priority."""
+        token of its `LanguageDetection` request, run first under the same deadline and priority (`wait` as
+        `generate`'s)."""
         prompt = cast(TranscriptionPrompt, request.prompt)
-        detection = dataclasses.replace(request, prompt=LanguageDetection(prompt))
-        result = None
-        async with contextlib.aclosing(self.generate(detection, deadline, whole=True)) as updates:
-            async for update in updates:
-                result = update.result
-        assert result is not None and result.choices[0].token_ids, "a detection samples one token"
-        return dataclasses.replace(request, prompt=self.inputs.detected(prompt, result.choices[0].token_ids[0]))
+        detection = await self._result(dataclasses.replace(request, prompt=LanguageDetection(prompt)), deadline, wait)
+        assert detection.choices[0].token_ids, "a detection samples one token"
+        return dataclasses.replace(request, prompt=self.inputs.detected(prompt, detection.choices[0].token_ids[0]))
 
     async def embed(self, call: EmbedInput, deadline: float | None = None, wait: bool = False) -> EmbedResult:
         """One vector per input, in order (`deadline`, `wait` and cancelling as in `generate`); raises

@@ -244,6 +244,36 @@ def test_a_fallback_over_grpc(whisper: tuple[Path, Any]) -> None:
     assert math.isclose(deltas[0].segments[0].temperature, whole.choices[0].segments[0].temperature)
 
 
+@pytest.mark.slow
+def test_a_waiting_caller_waits_for_every_request_a_transcription_makes(whisper: tuple[Path, Any]) -> None:
+    """A caller that waits for room in a full queue (`generate(wait=True)`: the Batch RPC) has its language detection,
+    its silence probe and every decode of its fallback wait too (none raises QueueFullError)."""
+    from engine_server.frontend import LanguageDetection, SilenceProbe
+    from engine_server.server.serving import GenerationInput
+
+    folder, _ = whisper
+    prompt = dataclasses.replace(CASES["transcribe"](), language="", temperature_fallback=True)
+    seen: list[tuple[str, bool]] = []
+
+    async def run() -> None:
+        async with grpc_served(folder) as (_, engine):
+            generate = engine.generate
+
+            def spy(request: GenerationInput, deadline: Any = None, whole: bool = False, wait: bool = False) -> Any:
+                seen.append((type(request.prompt).__name__, wait))
+                return generate(request, deadline, whole, wait)
+
+            engine.generate = spy
+            params = SamplingParams(temperature=0.0, max_tokens=4)
+            async for _ in engine.generate(GenerationInput("w", prompt, params), wait=True):
+                pass
+
+    asyncio.run(run())
+    kinds = {kind for kind, _ in seen}
+    assert {LanguageDetection.__name__, SilenceProbe.__name__, TranscriptionPrompt.__name__} <= kinds
+    assert all(wait for _, wait in seen) and len(seen) >= 4
+
+
 def test_a_fallback_answer_joins_its_decodes() -> None:
     """`fallback_answer` (pure): the last decode's choice, usage summed, segments given the temperature and the
     no-speech probability, logprobs dropped where not asked; silence: nothing."""
