@@ -263,7 +263,7 @@ class QuantizedLinear(nn.Module):
             packed, scales, mins, counts = (list(column) for column in zip(*self.parts, strict=True))
             out = torch.ops.ladle_cpu.packed_linear_parts(rows, packed, scales, mins, counts)
         if self.bias is not None:
-            out = out + self.bias
+            out.add_(self.bias)  # (the product's own tensor: no second one for the sum)
         result: torch.Tensor = out.reshape(*x.shape[:-1], self.out_features)
         return result
 
