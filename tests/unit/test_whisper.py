@@ -177,6 +177,21 @@ async def grpc_served(folder: Path, max_num_seqs: int | None = None) -> AsyncIte
         await engine.close()
 
 
+def generate_and_stream(folder: Path, message: Any, sampling: Any) -> tuple[Any, list[Any]]:
+    """The Generate reply and the Stream messages of one `Input` (`message`, with `sampling`) to the Whisper in
+    `folder` served over gRPC (`grpc_served`)."""
+    from ladle.v1 import engine_pb2
+
+    async def served() -> tuple[Any, list[Any]]:
+        async with grpc_served(folder) as (stub, _):
+            whole = await stub.Generate(engine_pb2.GenerateRequest(input=message, sampling=sampling), timeout=60)
+            stream = [m async for m in stub.Stream(engine_pb2.StreamRequest(input=message, sampling=sampling),
+                                                   timeout=60)]  # fmt: skip
+        return whole, stream
+
+    return asyncio.run(served())
+
+
 @pytest.fixture(scope="module")
 def whisper(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     folder = tmp_path_factory.mktemp("whisper")

@@ -31,6 +31,7 @@ from tests.unit.test_whisper import (
     CASES,
     LONG_CUTS,
     engine_in,
+    generate_and_stream,
     grpc_served,
     long_clip,
     reference_timestamps,
@@ -215,7 +216,7 @@ def test_a_fallback_over_grpc(whisper: tuple[Path, Any]) -> None:
     """`Transcription.temperature_fallback` over the servicer's Generate and Stream: the answer the offline engine
     gives (a seed), its segments' temperature and no-speech probability on the wire; Stream sends it as one delta."""
     from engine_server.server.convert import prompt_from_input
-    from ladle.v1 import engine_pb2, types_pb2
+    from ladle.v1 import types_pb2
 
     folder, _ = whisper
     prompt = dataclasses.replace(CASES["transcribe"](), timestamps=True, temperature_fallback=True)
@@ -227,14 +228,7 @@ def test_a_fallback_over_grpc(whisper: tuple[Path, Any]) -> None:
         (offline,) = llm.generate([prompt], params, use_tqdm=False)
     sampling = types_pb2.SamplingParams(temperature=0.0, max_tokens=NEW, seed=7)
 
-    async def served() -> tuple[Any, list[Any]]:
-        async with grpc_served(folder) as (stub, _):
-            whole = await stub.Generate(engine_pb2.GenerateRequest(input=message, sampling=sampling), timeout=60)
-            stream = [m async for m in stub.Stream(engine_pb2.StreamRequest(input=message, sampling=sampling),
-                                                   timeout=60)]  # fmt: skip
-        return whole, stream
-
-    whole, stream = asyncio.run(served())
+    whole, stream = generate_and_stream(folder, message, sampling)
     assert list(whole.choices[0].token_ids) == offline.choices[0].token_ids
     assert whole.usage.completion_tokens == offline.usage.completion_tokens
     wire = [(round(s.temperature, 3), round(s.no_speech_prob, 5)) for s in whole.choices[0].segments]

@@ -7,7 +7,6 @@ reach a text, with or without timestamps, as transformers' `decode` filters them
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 from pathlib import Path
@@ -27,7 +26,7 @@ from tests.unit.test_whisper import (
     LONG_CUTS,
     NEW_TOKENS,
     engine_in,
-    grpc_served,
+    generate_and_stream,
     long_clip,
     reference_timestamps,
     save_whisper,
@@ -230,7 +229,7 @@ def test_timestamps_over_grpc_generate_and_stream(whisper: tuple[Path, Any]) -> 
     """Over the servicer: Generate with `timestamps` answers each choice's segments as the offline engine reads them;
     Stream sends them on the choice's last delta alone; `Transcription.timestamps` converts."""
     from engine_server.server.convert import prompt_from_input
-    from ladle.v1 import engine_pb2, types_pb2
+    from ladle.v1 import types_pb2
 
     folder, _ = whisper
     prompt = dataclasses.replace(CASES["transcribe"](), timestamps=True)
@@ -241,14 +240,7 @@ def test_timestamps_over_grpc_generate_and_stream(whisper: tuple[Path, Any]) -> 
     with engine_in(folder) as llm:
         (offline,) = llm.generate([prompt], dataclasses.replace(GREEDY, max_tokens=40), use_tqdm=False)
 
-    async def served() -> tuple[Any, list[Any]]:
-        async with grpc_served(folder) as (stub, _):
-            whole = await stub.Generate(engine_pb2.GenerateRequest(input=message, sampling=sampling), timeout=60)
-            stream = [m async for m in stub.Stream(engine_pb2.StreamRequest(input=message, sampling=sampling),
-                                                   timeout=60)]  # fmt: skip
-        return whole, stream
-
-    whole, stream = asyncio.run(served())
+    whole, stream = generate_and_stream(folder, message, sampling)
     segments = [(s.start, s.end, s.text, list(s.token_ids), s.first_token) for s in offline.choices[0].segments]
     assert segments
 
