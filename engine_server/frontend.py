@@ -27,6 +27,7 @@ from engine_server.multimodal.transcription import (
     TranscriptionSegment,
     WhisperTranscription,
 )
+from engine_server.multimodal.word_timing import TranscriptionWord, WordTiming
 from engine_server.output import OutputProcessor, TokenTextCodec
 from engine_server.output.types import FinishReason
 from engine_server.reasoning import (
@@ -155,6 +156,8 @@ class Choice:
     reasoning_text: str = ""
     # A transcription decoded with timestamps: its segments, once it finished (a stream step: its last).
     segments: list[TranscriptionSegment] = field(default_factory=list)
+    # A transcription asking word timings: its words, once it finished (a stream step: its last).
+    words: list[TranscriptionWord] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,7 @@ class PreparedPrompt:
     multimodal: MultimodalInputs | None = None  # the prompt's images, their placeholders expanded in `token_ids`
     transcription: TranscriptionInfo | None = None  # a transcription's language and clip length
     timestamps: TimestampTokens | None = None  # a transcription's timestamp tokens (kept out of its text; segments)
+    words: WordTiming | None = None  # how a transcription asking word timings reads its words
 
 
 @dataclass
@@ -379,7 +383,7 @@ class InputProcessor:
                                      begin_suppress_token_ids=found.begin_suppress_token_ids,
                                      timestamps=found.rules)  # fmt: skip
         return PreparedPrompt(found.token_ids, params, multimodal=found.clip, transcription=found.info,
-                              timestamps=found.timestamps)  # fmt: skip
+                              timestamps=found.timestamps, words=found.words)  # fmt: skip
 
     def _chat_prompt(self, prompt: ChatPrompt) -> tuple[list[int], MultimodalInputs | None, str]:
         """A conversation's prompt ids (each image's or clip's placeholder expanded to its tokens), what its images or
@@ -526,10 +530,12 @@ class RequestTracker:
         reasoning_tags: ReasoningTags = THINK,
         transcription: TranscriptionInfo | None = None,
         timestamps: TimestampTokens | None = None,
+        words: WordTiming | None = None,
     ) -> None:
         """`token_text` names tokens for logprobs; share one per tokenizer across requests (it caches).
         `transcription` (from `PreparedPrompt`) goes on the result as it is; `timestamps` (from there too) are left out
-        of each choice's text, and where it reads segments a finished choice gets them (`Choice.segments`).
+        of each choice's text, and where it reads segments a finished choice gets them (`Choice.segments`); with
+        `words` (from there too) a finished choice gets its words (`Choice.words`) from its core output's alignment.
         `tool_parsing` (from `PreparedPrompt`) makes each choice's text go through a tool-call parser, and
         `reasoning` (from there too) first splits its reasoning off (written between `reasoning_tags`): the tool
         parser reads the content only.
@@ -542,6 +548,7 @@ class RequestTracker:
             transcription=transcription,
         )
         self._timestamps = timestamps
+        self._words = words
         silent = None if timestamps is None else timestamps.begin
         self._processors = [OutputProcessor(tokenizer, prompt_token_ids, params, silent) for _ in range(params.n)]
         self._tool_parsing = tool_parsing
@@ -603,12 +610,15 @@ class RequestTracker:
         if logprobs is not None:
             choice.logprobs = (choice.logprobs or []) + logprobs
         segments: list[TranscriptionSegment] = []
+        words: list[TranscriptionWord] = []
         if delta.finished and choice.finish_reason is None:
             choice.finish_reason, choice.matched_stop = reason, matched
+            stop = matched if isinstance(matched, int) else None
             if self._timestamps is not None and self._timestamps.segments:
-                stop = matched if isinstance(matched, int) else None
                 choice.segments = segments = self._timestamps.read(choice.token_ids, stop, self._decode,
                                                                    self.params.temperature)
+            if self._words is not None and output.alignment is not None:
+                choice.words = words = self._words.words(self._tokenizer, choice.token_ids, stop, output.alignment)
         usage = self.result.usage
         usage.completion_tokens += len(delta.token_ids)
         if choice_index == 0:
@@ -618,7 +628,7 @@ class RequestTracker:
                 self.result.timeline = output.timeline
         step = Choice(
             choice_index, text, delta.token_ids, choice.finish_reason, choice.matched_stop, logprobs,
-            tool_call_deltas=call_deltas, reasoning_text=reasoning_text, segments=segments,
+            tool_call_deltas=call_deltas, reasoning_text=reasoning_text, segments=segments, words=words,
         )
         return step, delta.abort_core
 
@@ -690,7 +700,7 @@ def fallback_answer(
     """The answer of a transcription's temperature fallback (`multimodal.fallback`): its last decode's result (of
     `attempts`, in order; the last at `temperature`, judged by `check`), usage summed over every decode, each segment
     with that temperature and `check`'s no-speech probability, the log-probabilities kept only where the caller asked
-    (`keep_logprobs`); where `check` calls the window silence, no text, tokens, log-probabilities or segments."""
+    (`keep_logprobs`); where `check` calls the window silence, no text, tokens, log-probabilities, segments or words."""
     last = attempts[-1]
     choice = last.choices[0]
     segments = [dataclasses.replace(s, temperature=temperature, no_speech_prob=check.no_speech_prob)
@@ -698,7 +708,7 @@ def fallback_answer(
     logprobs = choice.logprobs if keep_logprobs else None
     if check.silence:
         choice = dataclasses.replace(choice, text="", token_ids=[], logprobs=[] if keep_logprobs else None,
-                                     segments=[])  # fmt: skip
+                                     segments=[], words=[])  # fmt: skip
     else:
         choice = dataclasses.replace(choice, logprobs=logprobs, segments=segments)
     usage = Usage(sum(r.usage.prompt_tokens for r in attempts), sum(r.usage.completion_tokens for r in attempts),
@@ -718,7 +728,7 @@ def joined_results(results: Sequence[GenerationResult], duration_seconds: float)
     choice's text concatenated (`window_separator` between), token ids and logprobs concatenated, prompt ids
     concatenated, usage summed (prompt, completion, cached, reasoning tokens), the finish reason "length" where any
     finished window ran out of tokens, else the last window's (None while it runs), segments concatenated (each its
-    place in the joined tokens: `TranscriptionSegment.shifted`), the transcription info the first
+    place in the joined tokens: `TranscriptionSegment.shifted`) and words concatenated, the transcription info the first
     window's with the whole clip's `duration_seconds`, no prompt logprobs (None), the request id and timeline the
     first's and the last's."""
     first = results[0]
@@ -736,7 +746,7 @@ def joined_results(results: Sequence[GenerationResult], duration_seconds: float)
             segments += [segment.shifted(before) for segment in part.segments]
             before += len(part.token_ids)
         choices.append(Choice(index, text, [t for p in parts for t in p.token_ids], reason, parts[-1].matched_stop,
-                              logprobs, segments=segments))  # fmt: skip
+                              logprobs, segments=segments, words=[w for p in parts for w in p.words]))  # fmt: skip
     usage = Usage(sum(r.usage.prompt_tokens for r in results), sum(r.usage.completion_tokens for r in results),
                   sum(r.usage.cached_prompt_tokens for r in results), sum(r.usage.reasoning_tokens for r in results))
     info = first.transcription

@@ -212,7 +212,7 @@ class LLM:
             )  # fmt: skip
             tracker = RequestTracker(
                 self.tokenizer, request_id, item.token_ids, item.params, self.token_text, item.tool_parsing,
-                item.reasoning, item.harmony, item.reasoning_tags, item.transcription, item.timestamps,
+                item.reasoning, item.harmony, item.reasoning_tags, item.transcription, item.timestamps, item.words,
             )
             # Tokens of choices that nothing needs to see before they finish (no stop strings to match as the
             # text grows) come once, at the finish, so their text is decoded once and per-step host work is small.

@@ -286,6 +286,12 @@ class ModelRunner:
         self.decode_graphs = capture_decode_graphs(self.loaded, capture)
         return self.decode_graphs
 
+    def alignment(self, request_id: str) -> torch.Tensor | None:
+        """A finished transcription's word-timing attention (`WhisperCrossStates.alignment`), once; None for others."""
+        if isinstance(self.cross_states, WhisperCrossStates):
+            return self.cross_states.alignment(request_id)
+        return None
+
     def release(self, request_id: str) -> None:
         """Forget per-request state (the grammar matcher, a pooling request's partial sum) of a finished or aborted
         request."""

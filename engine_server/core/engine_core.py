@@ -50,6 +50,9 @@ class CoreOutput:
     timeline: RequestTimeline | None = field(default=None, compare=False)  # on the last output only (traces)
     # Its prompt's log-probabilities (`Request.prompt_logprobs`), once, on the first output after they are all known.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # A transcription asking word timings: its alignment heads' attention over its clip, `[heads, output rows, frames]`
+    # (`multimodal.whisper.WhisperCrossStates.alignment`), on its last output.
+    alignment: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:
@@ -111,6 +114,8 @@ def _merge(earlier: CoreOutput, later: CoreOutput) -> CoreOutput:
         earlier.prompt_logprobs = later.prompt_logprobs
     if later.timeline is not None:
         earlier.timeline = later.timeline
+    if later.alignment is not None:
+        earlier.alignment = later.alignment
     return earlier
 
 
@@ -415,6 +420,8 @@ class EngineCore:
             self.speculator.finish(request)
         output.num_cached_tokens = request.num_cached_tokens
         output.timeline = request.timeline()
+        if request.multimodal is not None and request.multimodal.align_frames:
+            output.alignment = self.runner.alignment(request.request_id)
         _handing_prompt_logprobs(request, output)
         if not request.final_only:
             return output

@@ -89,6 +89,9 @@ class MultimodalInputs:
     # A Whisper language detection's (`multimodal.transcription`): the transcription that follows it reads the same
     # clip, so its encoder states outlive it (`multimodal.whisper.WhisperCrossStates`).
     detects_language: bool = False
+    # A Whisper transcription's asking word timings (`multimodal.whisper`): its output rows' cross-attention of the
+    # alignment heads over the clip's first `align_frames` encoder frames is kept for it; 0: none is.
+    align_frames: int = 0
 
     def cross_mask_rows(self, start: int, count: int) -> torch.Tensor:
         """`cross_attention_mask`'s rows of positions `[start, start + count)`, a position past the prompt's (an

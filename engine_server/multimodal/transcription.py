@@ -33,6 +33,7 @@ from engine_server.errors import ValidationError
 from engine_server.multimodal.audio import PromptAudio, decoded_clip
 from engine_server.multimodal.clip_windows import split_clip, window_wav
 from engine_server.multimodal.inputs import ImageSpan, MultimodalInputs, image_digest
+from engine_server.multimodal.word_timing import WordTiming
 from engine_server.sampling_params import TimestampRules
 
 _PROCESSOR_CONFIG = "preprocessor_config.json"
@@ -55,6 +56,7 @@ class TranscriptionPrompt:
     timestamps: bool = False  # decode with timestamp tokens: the output reads as segments
     offset_seconds: float = 0.0  # where this clip starts in the caller's (a window's: `WhisperTranscription.windows`)
     temperature_fallback: bool = False  # decode again hotter while the output fails Whisper's checks (`fallback`)
+    word_timestamps: bool = False  # its words' times from the alignment heads' attention (`word_timing`)
 
 
 @dataclass(frozen=True)
@@ -143,8 +145,8 @@ class TimestampTokens:
 @dataclass(frozen=True)
 class PreparedTranscription:
     """A transcription's decoder prompt, its clip as the encoder takes it, what its caller learns, the tokens its
-    outputs suppress (always; at the first output), its timestamp rules (None: it decodes without) and its timestamp
-    tokens (None: the vocabulary has none)."""
+    outputs suppress (always; at the first output), its timestamp rules (None: it decodes without), its timestamp
+    tokens (None: the vocabulary has none) and how its words are timed (None: not asked)."""
 
     token_ids: list[int]
     clip: MultimodalInputs
@@ -153,6 +155,7 @@ class PreparedTranscription:
     begin_suppress_token_ids: tuple[int, ...]
     rules: TimestampRules | None = None
     timestamps: TimestampTokens | None = None
+    words: WordTiming | None = None
 
 
 class WhisperTranscription:
@@ -160,7 +163,8 @@ class WhisperTranscription:
     holds no state but their settings."""
 
     def __init__(
-        self, extractor: Any, generation: dict[str, Any], tokenizer: Any, max_clip_seconds: float = MAX_CLIP_SECONDS
+        self, extractor: Any, generation: dict[str, Any], tokenizer: Any, max_clip_seconds: float = MAX_CLIP_SECONDS,
+        median_filter_width: int = 7,
     ) -> None:
         self.extractor = extractor
         self.max_clip_seconds = max_clip_seconds  # a longer clip is refused by name (`windows`)
@@ -193,6 +197,9 @@ class WhisperTranscription:
         initial = generation.get("max_initial_timestamp_index")
         self.max_initial_timestamp = None if initial is None else int(initial)
         # Whisper's silence token (`<|nocaptions|>` in the first checkpoints); None where the vocabulary has neither.
+        # Word timings': the checkpoint's alignment heads (none: refused) and its median filter's width.
+        self.alignment_heads = bool(generation.get("alignment_heads"))
+        self.median_filter_width = median_filter_width
         self.no_speech = _token_id(tokenizer, "<|nospeech|>")
         if self.no_speech is None:
             self.no_speech = _token_id(tokenizer, "<|nocaptions|>")
@@ -207,7 +214,8 @@ class WhisperTranscription:
         extractor = WhisperFeatureExtractor.from_pretrained(str(folder))
         path = folder / _GENERATION_CONFIG
         generation = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-        return cls(extractor, generation, tokenizer, max_clip_seconds)
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        return cls(extractor, generation, tokenizer, max_clip_seconds, int(config.get("median_filter_width", 7)))
 
     def language_code(self, language: str) -> str:
         """The ISO code of `language` (a code, `<|code|>`, or a name transformers knows: `TO_LANGUAGE_CODE`);
@@ -240,19 +248,27 @@ class WhisperTranscription:
         if prompt.timestamps and self.timestamp_begin is None:
             raise ValidationError("this Whisper model has no timestamp tokens (<|0.00|> after <|notimestamps|>): it "
                                   "decodes without timestamps only", "input.transcription.timestamps")  # fmt: skip
-        clip, info = self._clip(prompt.audio, language)
+        if prompt.word_timestamps and not self.alignment_heads:
+            raise ValidationError("this Whisper checkpoint names no alignment_heads (generation_config.json): it has "
+                                  "no word timings", "input.transcription.word_timestamps")  # fmt: skip
+        clip, info = self._clip(prompt.audio, language, words=prompt.word_timestamps)
+        words = None
+        if prompt.word_timestamps:
+            from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+            words = WordTiming(self.median_filter_width, LANGUAGES.get(language, "english"), prompt.offset_seconds)
         ids = [*self._previous_text(prompt.prompt), self.start]
         if not self.english_only:
             ids += [self.languages[f"<|{language}|>"], self.tasks[prompt.task]]
         if not prompt.timestamps:
             ids.append(self.no_timestamps)
         if self.timestamp_begin is None:
-            return PreparedTranscription(ids, clip, info, self.suppress, self.begin_suppress)
+            return PreparedTranscription(ids, clip, info, self.suppress, self.begin_suppress, words=words)
         rules = TimestampRules(self.timestamp_begin, self.eos, self.no_timestamps, self.max_initial_timestamp)
         timestamps = TimestampTokens(self.timestamp_begin, prompt.timestamps, prompt.offset_seconds,
                                      info.duration_seconds)  # fmt: skip
         return PreparedTranscription(ids, clip, info, self.suppress, self.begin_suppress,
-                                     rules if prompt.timestamps else None, timestamps)  # fmt: skip
+                                     rules if prompt.timestamps else None, timestamps, words)  # fmt: skip
 
     def windows(self, prompt: TranscriptionPrompt) -> tuple[list[TranscriptionPrompt], float] | None:
         """None where `prompt`'s clip fits the encoder's window (`max_seconds`: it runs as it is, `prepare`), or is no
@@ -317,15 +333,20 @@ class WhisperTranscription:
                                   f"{self.tokenizer.convert_ids_to_tokens(special)!r}", "input.transcription.prompt")
         return [self.previous, *ids]
 
-    def _clip(self, data: bytes, language: str, detection: bool = False) -> tuple[MultimodalInputs, TranscriptionInfo]:
+    def _clip(
+        self, data: bytes, language: str, detection: bool = False, words: bool = False
+    ) -> tuple[MultimodalInputs, TranscriptionInfo]:
         """The clip as the encoder takes it (a language `detection`'s: its states kept for the transcription after
-        it) and what the caller learns of it; ValidationError as `prepare`."""
+        it; asking `words`: its attention kept over its encoder frames, half its feature frames, as transformers
+        crops it) and what the caller learns of it; ValidationError as `prepare`."""
         samples, seconds = decoded_clip(PromptAudio(data, "input.transcription.audio"), self.sampling_rate,
                                         self.max_seconds)  # fmt: skip
-        features = self.extractor(samples, sampling_rate=self.sampling_rate, return_tensors="pt").input_features
-        span = ImageSpan(0, 0, features, image_digest(data))
-        return MultimodalInputs((span,), transcription=True, detects_language=detection), TranscriptionInfo(language,
-                                                                                                            seconds)
+        found = self.extractor(samples, sampling_rate=self.sampling_rate, return_tensors="pt",
+                               return_attention_mask=True)  # fmt: skip
+        span = ImageSpan(0, 0, found.input_features, image_digest(data))
+        frames = int(found.attention_mask.sum()) // 2 if words else 0
+        clip = MultimodalInputs((span,), transcription=True, detects_language=detection, align_frames=frames)
+        return clip, TranscriptionInfo(language, seconds)
 
 
 def _token_id(tokenizer: Any, name: str) -> int | None:

@@ -12,6 +12,7 @@ Each request's memory beside its KV blocks: layers x 2 x 1500 frames x d_model v
 
 from __future__ import annotations
 
+import json
 import re
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
@@ -54,6 +55,10 @@ class WhisperAudioEncoder(CheckpointEncoder):
         super().__init__()
         self.encoder = WhisperEncoder(composite)
         self.cross_layers = nn.ModuleList(_CrossLayer(composite, i) for i in range(composite.decoder_layers))
+        # Word timings' (`WhisperCrossStates.alignment`): generation_config's `alignment_heads`, (layer, head) pairs in
+        # its order (none: the checkpoint names none), and the median filter's width over their frames.
+        self.alignment_heads: tuple[tuple[int, int], ...] = ()
+        self.median_filter_width = int(getattr(composite, "median_filter_width", 7))
 
     @classmethod
     def from_checkpoint(
@@ -61,7 +66,10 @@ class WhisperAudioEncoder(CheckpointEncoder):
     ) -> CheckpointEncoder:
         """The encoder of the checkpoint in `folder`: `model.encoder.*`, and each decoder layer's `encoder_attn*` as
         `cross_layers.<i>.`; the decoder's own tensors passed over unread."""
-        return load_encoder(cls, folder, _renamed(weights), cls.parts, dtype, device)
+        encoder = load_encoder(cls, folder, _renamed(weights), cls.parts, dtype, device)
+        assert isinstance(encoder, WhisperAudioEncoder)
+        encoder.alignment_heads = alignment_heads(folder)
+        return encoder
 
     def encode(self, pixel_values: torch.Tensor, grid: tuple[int, ...] | None = None) -> torch.Tensor:
         """One clip's log-mel features `[1, mel bins, frames]` (padded to the window) -> its encoder states
@@ -81,12 +89,15 @@ class WhisperAudioEncoder(CheckpointEncoder):
             kv.append((keys, values))
         return kv
 
-    def cross_layer(self, index: int, stream: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def cross_layer(
+        self, index: int, stream: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index`'s cross-attention over one request's rows `stream` `[q, d_model]` (the residual stream after
         its self-attention) and its clip's (K transposed, V: `cross_kv`), no mask over the frames: the stream after
         the residual add, as `WhisperDecoderLayer` computes it (the query scaled before its product, as
-        `WhisperAttention` does). One request's rows at a time: the projections' products then never depend on the
-        step's other requests (a request's tokens are the same alone as batched)."""
+        `WhisperAttention` does), and the attention's probabilities `[heads, q, frames]`. One request's rows at a
+        time: the projections' products then never depend on the step's other requests (a request's tokens are the
+        same alone as batched)."""
         layer: Any = self.cross_layers[index]
         attention = layer.encoder_attn
         heads, dim = attention.num_heads, attention.head_dim
@@ -96,7 +107,14 @@ class WhisperAudioEncoder(CheckpointEncoder):
         probs = torch.softmax(torch.matmul(query, keys).float(), dim=-1).to(query.dtype)
         attended = attention.out_proj(torch.matmul(probs, values).transpose(0, 1).reshape(stream.shape[0], -1))
         out: torch.Tensor = stream + attended
-        return out
+        return out, probs
+
+
+def alignment_heads(folder: Path) -> tuple[tuple[int, int], ...]:
+    """The (layer, head) pairs of generation_config.json's `alignment_heads` in `folder` (none: ())."""
+    path = folder / "generation_config.json"
+    heads = json.loads(path.read_text(encoding="utf-8")).get("alignment_heads") if path.is_file() else None
+    return tuple((int(layer), int(head)) for layer, head in heads or ())
 
 
 def _renamed(weights: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
@@ -108,11 +126,16 @@ def _renamed(weights: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[
 
 @dataclass(frozen=True)
 class _Rows:
-    """One request's rows of a step, `[first, first + count)`, and its clip's per-layer (K, V)."""
+    """One request's rows of a step, `[first, first + count)`, and its clip's per-layer (K, V); for a request asking
+    word timings, where its alignment heads' probabilities go: `aligned[:, into + r - skip]` for its rows from `skip`
+    on (those at output positions), each over its `aligned.shape[-1]` first frames."""
 
     first: int
     count: int
     kv: list[tuple[torch.Tensor, torch.Tensor]]
+    aligned: torch.Tensor | None = None
+    skip: int = 0
+    into: int = 0
 
 
 class WhisperCrossStep:
@@ -136,11 +159,24 @@ class WhisperCrossStep:
         index = self._index
         stream = hidden + residual
         dtype = self.rows[0].kv[0][0].dtype  # (the cross-attention's own)
-        pieces = [
-            self.encoder.cross_layer(position, stream[r.first : r.first + r.count].to(dtype), r.kv[position])
-            for r in self.rows
-        ]  # fmt: skip
+        pieces = []
+        for r in self.rows:
+            out, probs = self.encoder.cross_layer(position, stream[r.first : r.first + r.count].to(dtype),
+                                                  r.kv[position])  # fmt: skip
+            pieces.append(out)
+            if r.aligned is not None and r.skip < r.count:
+                self._keep(r, position, probs)
         return hidden.index_fill(0, index, 0), residual.index_copy(0, index, torch.cat(pieces).to(residual.dtype))
+
+    def _keep(self, rows: _Rows, layer: int, probs: torch.Tensor) -> None:
+        """Copy layer `layer`'s alignment heads' probabilities of `rows`' output rows into their request's kept ones."""
+        assert rows.aligned is not None
+        frames = rows.aligned.shape[-1]
+        kept = probs[:, rows.skip :, :frames].float()
+        end = rows.into + kept.shape[1]
+        for slot, (head_layer, head) in enumerate(self.encoder.alignment_heads):
+            if head_layer == layer:
+                rows.aligned[slot, rows.into : end] = kept[head]
 
 
 # Language detections whose clip's K/V are kept after they finish, for the transcriptions that follow them (the most
@@ -163,18 +199,47 @@ class WhisperCrossStates:
         self._held: dict[str, bytes] = {}
         self._detecting: set[str] = set()
         self._kept: OrderedDict[bytes, list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        # Requests asking word timings: their alignment heads' probabilities `[heads, output rows, frames]` (row i:
+        # output token i's query, as fed back) and how many rows are filled (`alignment`).
+        self._aligned: dict[str, torch.Tensor] = {}
+        self._aligned_rows: dict[str, int] = {}
 
     def step(self, chunks: Sequence[tuple[Request, int, int]]) -> WhisperCrossStep | None:
         """The cross-attention of a step whose request i computes `count_i` tokens (`chunks`, in the step's row order:
         (request, start, count)); None where no request of it has a clip."""
         rows: list[_Rows] = []
         base = 0
-        for request, _, count in chunks:
+        for request, start, count in chunks:
             clip = request.multimodal
             if clip is not None and clip.transcription:
-                rows.append(_Rows(base, count, self._states(request.request_id, clip)))
+                rows.append(self._rows(request, clip, base, start, count))
             base += count
         return WhisperCrossStep(self.encoder, rows) if rows else None
+
+    def _rows(self, request: Request, clip: MultimodalInputs, base: int, start: int, count: int) -> _Rows:
+        """The rows `[base, base + count)` of a step, `request`'s positions from `start` on: its clip's K/V, and where
+        its output rows' alignment-head probabilities go where it asks word timings (`MultimodalInputs.align_frames`;
+        positions rerun after a preemption overwrite theirs)."""
+        kv = self._states(request.request_id, clip)
+        if not clip.align_frames or not self.encoder.alignment_heads:
+            return _Rows(base, count, kv)
+        aligned = self._aligned.get(request.request_id)
+        if aligned is None:
+            heads, rows = len(self.encoder.alignment_heads), max(request.max_tokens, 1)
+            aligned = self._aligned[request.request_id] = torch.zeros(heads, rows, clip.align_frames)
+        prompt = request.num_prompt_tokens
+        skip, into = max(prompt - start, 0), max(start - prompt, 0)
+        filled = min(into + max(count - skip, 0), aligned.shape[1])
+        self._aligned_rows[request.request_id] = max(self._aligned_rows.get(request.request_id, 0), filled)
+        return _Rows(base, count, kv, aligned, skip, into)
+
+    def alignment(self, request_id: str) -> torch.Tensor | None:
+        """A finished request's alignment-head probabilities over its clip, `[heads, rows, frames]` (row i: output
+        token i's query, as fed back; its last token's never is), handed out once; None where it asked no word
+        timings."""
+        aligned = self._aligned.pop(request_id, None)
+        rows = self._aligned_rows.pop(request_id, 0)
+        return None if aligned is None else aligned[:, :rows].clone()
 
     def _states(self, request_id: str, clip: MultimodalInputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
         digest = clip.digest
@@ -193,6 +258,8 @@ class WhisperCrossStates:
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request's hold on its K/V (the K/V once no request holds them; a language
         detection's kept for the transcription after it, the oldest kept dropped past KEPT_DETECTIONS)."""
+        self._aligned.pop(request_id, None)
+        self._aligned_rows.pop(request_id, None)
         digest = self._held.pop(request_id, None)
         if digest is None:
             return

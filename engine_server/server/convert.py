@@ -156,7 +156,8 @@ def transcription_prompt(message: types_pb2.Transcription) -> TranscriptionPromp
     if message.task not in _TASKS:
         raise ValidationError(f"unknown transcription task {message.task}", "input.transcription.task")
     return TranscriptionPrompt(message.audio.data, message.language, _TASKS[message.task], message.prompt,
-                               message.timestamps, temperature_fallback=message.temperature_fallback)
+                               message.timestamps, temperature_fallback=message.temperature_fallback,
+                               word_timestamps=message.word_timestamps)
 
 
 def chat_prompt(chat: types_pb2.ChatInput) -> ChatPrompt:
@@ -314,7 +315,7 @@ def delta_message(delta: Choice) -> types_pb2.ChoiceDelta:
 
 def _set_choice_fields(message: types_pb2.Choice | types_pb2.ChoiceDelta, choice: Choice) -> None:
     """The fields a whole choice and a delta of one share: index, text, reasoning, token ids, finish reason,
-    logprobs, a transcription's segments."""
+    logprobs, a transcription's segments and words."""
     message.index = choice.index
     message.text = choice.text
     message.reasoning_content = choice.reasoning_text
@@ -322,6 +323,8 @@ def _set_choice_fields(message: types_pb2.Choice | types_pb2.ChoiceDelta, choice
     message.finish_reason = finish_reason(choice.finish_reason)
     message.logprobs.extend(logprob_message(lp) for lp in choice.logprobs or ())
     message.segments.extend(segment_message(segment) for segment in choice.segments)
+    message.words.extend(types_pb2.TranscriptionWord(word=w.word, start_seconds=w.start, end_seconds=w.end)
+                         for w in choice.words)  # fmt: skip
 
 
 def segment_message(segment: TranscriptionSegment) -> types_pb2.TranscriptionSegment:

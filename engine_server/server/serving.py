@@ -377,6 +377,7 @@ class ServingEngine:
         tracker = RequestTracker(
             self.tokenizer, request.request_id, prompt_ids, params, self.token_text, prepared.tool_parsing,
             prepared.reasoning, prepared.harmony, prepared.reasoning_tags, prepared.transcription, prepared.timestamps,
+            prepared.words,
         )
         stream = self.loop.add(internal_id, core_requests, final_only=whole and not tracker.needs_every_step,
                                wait=wait)

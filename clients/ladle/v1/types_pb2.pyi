@@ -185,6 +185,7 @@ class Transcription(_message.Message):
     PROMPT_FIELD_NUMBER: _builtins.int
     TIMESTAMPS_FIELD_NUMBER: _builtins.int
     TEMPERATURE_FALLBACK_FIELD_NUMBER: _builtins.int
+    WORD_TIMESTAMPS_FIELD_NUMBER: _builtins.int
     language: _builtins.str
     """The speech's language as an ISO-639-1 code ("en", "de"), or a name the model knows ("english"); empty: the model
     detects it from the clip (TranscriptionInfo.language says which). A language the model does not know is
@@ -211,6 +212,12 @@ class Transcription(_message.Message):
     are then the processed distribution's (after the suppressed tokens and timestamp rules, before the temperature),
     as Whisper's. Usage counts every decode's tokens.
     """
+    word_timestamps: _builtins.bool
+    """Word timings, as transformers' `return_token_timestamps` and OpenAI's whisper `word_timestamps` align them: the
+    cross-attention of the checkpoint's `alignment_heads` (generation_config.json) over the clip, normalized,
+    median-filtered and aligned to its frames by dynamic time warping; each choice then comes with its words. A
+    checkpoint without `alignment_heads` refuses it (INVALID_ARGUMENT).
+    """
     @_builtins.property
     def audio(self) -> Global___Audio:
         """The clip (Audio.data: WAV, FLAC, OGG or MP3). A clip longer than the model's window (Whisper: 30 s) is
@@ -230,10 +237,11 @@ class Transcription(_message.Message):
         prompt: _builtins.str = ...,
         timestamps: _builtins.bool = ...,
         temperature_fallback: _builtins.bool = ...,
+        word_timestamps: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio", "language", b"language", "prompt", b"prompt", "task", b"task", "temperature_fallback", b"temperature_fallback", "timestamps", b"timestamps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio", "language", b"language", "prompt", b"prompt", "task", b"task", "temperature_fallback", b"temperature_fallback", "timestamps", b"timestamps", "word_timestamps", b"word_timestamps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -264,6 +272,36 @@ class TranscriptionInfo(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TranscriptionInfo: _TypeAlias = TranscriptionInfo  # noqa: Y015
+
+@_typing.final
+class TranscriptionWord(_message.Message):
+    """TranscriptionWord is one word of a transcription with its times (Transcription.word_timestamps)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORD_FIELD_NUMBER: _builtins.int
+    START_SECONDS_FIELD_NUMBER: _builtins.int
+    END_SECONDS_FIELD_NUMBER: _builtins.int
+    word: _builtins.str
+    """The word as written, its leading space kept (punctuation joined to the word beside it, as Whisper joins it)."""
+    start_seconds: _builtins.float
+    """When its first token starts, in seconds from the clip's start."""
+    end_seconds: _builtins.float
+    """When the token after its last starts (its last token's start, for the choice's last word)."""
+    def __init__(
+        self,
+        *,
+        word: _builtins.str = ...,
+        start_seconds: _builtins.float = ...,
+        end_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_seconds", b"end_seconds", "start_seconds", b"start_seconds", "word", b"word"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TranscriptionWord: _TypeAlias = TranscriptionWord  # noqa: Y015
 
 @_typing.final
 class TranscriptionSegment(_message.Message):
@@ -955,6 +993,7 @@ class Choice(_message.Message):
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
     REASONING_CONTENT_FIELD_NUMBER: _builtins.int
     SEGMENTS_FIELD_NUMBER: _builtins.int
+    WORDS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Position of the choice, 0..n-1."""
     text: _builtins.str
@@ -985,6 +1024,10 @@ class Choice(_message.Message):
     def segments(self) -> _containers.RepeatedCompositeFieldContainer[Global___TranscriptionSegment]:
         """A transcription's segments, in order, where it asked for timestamps (Transcription.timestamps)."""
 
+    @_builtins.property
+    def words(self) -> _containers.RepeatedCompositeFieldContainer[Global___TranscriptionWord]:
+        """A transcription's words, in order, where it asked for word timings (Transcription.word_timestamps)."""
+
     def __init__(
         self,
         *,
@@ -997,10 +1040,11 @@ class Choice(_message.Message):
         tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
         reasoning_content: _builtins.str = ...,
         segments: _abc.Iterable[Global___TranscriptionSegment] | None = ...,
+        words: _abc.Iterable[Global___TranscriptionWord] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["matched_stop", b"matched_stop"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "reasoning_content", b"reasoning_content", "segments", b"segments", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "reasoning_content", b"reasoning_content", "segments", b"segments", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "words", b"words"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1021,6 +1065,7 @@ class ChoiceDelta(_message.Message):
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
     REASONING_CONTENT_FIELD_NUMBER: _builtins.int
     SEGMENTS_FIELD_NUMBER: _builtins.int
+    WORDS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Position of the choice, 0..n-1."""
     text: _builtins.str
@@ -1049,6 +1094,10 @@ class ChoiceDelta(_message.Message):
     def segments(self) -> _containers.RepeatedCompositeFieldContainer[Global___TranscriptionSegment]:
         """A transcription's segments (Choice.segments), all on the choice's last delta."""
 
+    @_builtins.property
+    def words(self) -> _containers.RepeatedCompositeFieldContainer[Global___TranscriptionWord]:
+        """A transcription's words (Choice.words), all on the choice's last delta."""
+
     def __init__(
         self,
         *,
@@ -1061,10 +1110,11 @@ class ChoiceDelta(_message.Message):
         tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
         reasoning_content: _builtins.str = ...,
         segments: _abc.Iterable[Global___TranscriptionSegment] | None = ...,
+        words: _abc.Iterable[Global___TranscriptionWord] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["matched_stop", b"matched_stop"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "reasoning_content", b"reasoning_content", "segments", b"segments", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "reasoning_content", b"reasoning_content", "segments", b"segments", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "words", b"words"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

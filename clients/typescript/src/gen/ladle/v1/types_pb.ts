@@ -14,7 +14,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file ladle/v1/types.proto.
  */
 export const file_ladle_v1_types: GenFile = /*@__PURE__*/
-  fileDesc("ChRsYWRsZS92MS90eXBlcy5wcm90bxIIbGFkbGUudjEinwEKBUlucHV0Eg4KBHRleHQYASABKAlIABIjCgRjaGF0GAIgASgLMhMubGFkbGUudjEuQ2hhdElucHV0SAASJwoJdG9rZW5faWRzGAMgASgLMhIubGFkbGUudjEuVG9rZW5JZHNIABIwCg10cmFuc2NyaXB0aW9uGAQgASgLMhcubGFkbGUudjEuVHJhbnNjcmlwdGlvbkgAQgYKBGtpbmQirgEKDVRyYW5zY3JpcHRpb24SHgoFYXVkaW8YASABKAsyDy5sYWRsZS52MS5BdWRpbxIQCghsYW5ndWFnZRgCIAEoCRIpCgR0YXNrGAMgASgOMhsubGFkbGUudjEuVHJhbnNjcmlwdGlvblRhc2sSDgoGcHJvbXB0GAQgASgJEhIKCnRpbWVzdGFtcHMYBSABKAgSHAoUdGVtcGVyYXR1cmVfZmFsbGJhY2sYBiABKAgiPwoRVHJhbnNjcmlwdGlvbkluZm8SEAoIbGFuZ3VhZ2UYASABKAkSGAoQZHVyYXRpb25fc2Vjb25kcxgCIAEoASLLAQoUVHJhbnNjcmlwdGlvblNlZ21lbnQSFQoNc3RhcnRfc2Vjb25kcxgBIAEoARITCgtlbmRfc2Vjb25kcxgCIAEoARIMCgR0ZXh0GAMgASgJEhEKCXRva2VuX2lkcxgEIAMoDRITCgtmaXJzdF90b2tlbhgFIAEoDRIMCgRzZWVrGAYgASgNEhMKC3RlbXBlcmF0dXJlGAcgASgCEhsKDm5vX3NwZWVjaF9wcm9iGAggASgCSACIAQFCEQoPX25vX3NwZWVjaF9wcm9iIhcKCFRva2VuSWRzEgsKA2lkcxgBIAMoDSLfAQoJQ2hhdElucHV0EicKCG1lc3NhZ2VzGAEgAygLMhUubGFkbGUudjEuQ2hhdE1lc3NhZ2USHQoFdG9vbHMYAiADKAsyDi5sYWRsZS52MS5Ub29sEikKC3Rvb2xfY2hvaWNlGAMgASgLMhQubGFkbGUudjEuVG9vbENob2ljZRIiChVhZGRfZ2VuZXJhdGlvbl9wcm9tcHQYBCABKAhIAIgBARIhChljaGF0X3RlbXBsYXRlX2t3YXJnc19qc29uGAUgASgJQhgKFl9hZGRfZ2VuZXJhdGlvbl9wcm9tcHQipgEKC0NoYXRNZXNzYWdlEgwKBHJvbGUYASABKAkSDwoHY29udGVudBgCIAEoCRImCgp0b29sX2NhbGxzGAMgAygLMhIubGFkbGUudjEuVG9vbENhbGwSFAoMdG9vbF9jYWxsX2lkGAQgASgJEgwKBG5hbWUYBSABKAkSLAoNY29udGVudF9wYXJ0cxgGIAMoCzIVLmxhZGxlLnYxLkNvbnRlbnRQYXJ0ImkKC0NvbnRlbnRQYXJ0Eg4KBHRleHQYASABKAlIABIgCgVpbWFnZRgCIAEoCzIPLmxhZGxlLnYxLkltYWdlSAASIAoFYXVkaW8YAyABKAsyDy5sYWRsZS52MS5BdWRpb0gAQgYKBHBhcnQiFQoFSW1hZ2USDAoEZGF0YRgBIAEoDCIVCgVBdWRpbxIMCgRkYXRhGAEgASgMIlIKBFRvb2wSDAoEbmFtZRgBIAEoCRITCgtkZXNjcmlwdGlvbhgCIAEoCRIXCg9wYXJhbWV0ZXJzX2pzb24YAyABKAkSDgoGc3RyaWN0GAQgASgIIlkKClRvb2xDaG9pY2USKAoEbW9kZRgBIAEoDjIYLmxhZGxlLnYxLlRvb2xDaG9pY2VNb2RlSAASFwoNZnVuY3Rpb25fbmFtZRgCIAEoCUgAQggKBmNob2ljZSI8CghUb29sQ2FsbBIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEhYKDmFyZ3VtZW50c19qc29uGAMgASgJIlYKDVRvb2xDYWxsRGVsdGESDQoFaW5kZXgYASABKA0SCgoCaWQYAiABKAkSDAoEbmFtZRgDIAEoCRIcChRhcmd1bWVudHNfanNvbl9kZWx0YRgEIAEoCSKmBgoOU2FtcGxpbmdQYXJhbXMSFwoKbWF4X3Rva2VucxgBIAEoDUgAiAEBEhgKC3RlbXBlcmF0dXJlGAIgASgCSAGIAQESEgoFdG9wX3AYAyABKAJIAogBARISCgV0b3BfaxgEIAEoBUgDiAEBEhIKBW1pbl9wGAUgASgCSASIAQESHQoQcHJlc2VuY2VfcGVuYWx0eRgGIAEoAkgFiAEBEh4KEWZyZXF1ZW5jeV9wZW5hbHR5GAcgASgCSAaIAQESHwoScmVwZXRpdGlvbl9wZW5hbHR5GAggASgCSAeIAQESOwoKbG9naXRfYmlhcxgJIAMoCzInLmxhZGxlLnYxLlNhbXBsaW5nUGFyYW1zLkxvZ2l0Qmlhc0VudHJ5EhEKBHNlZWQYCiABKARICIgBARISCgptaW5fdG9rZW5zGAsgASgNEgwKBHN0b3AYDCADKAkSFgoOc3RvcF90b2tlbl9pZHMYDSADKA0SEgoKaWdub3JlX2VvcxgOIAEoCBIOCgFuGA8gASgNSAmIAQESEAoIbG9ncHJvYnMYECABKAgSFAoMdG9wX2xvZ3Byb2JzGBEgASgNEiAKE3NraXBfc3BlY2lhbF90b2tlbnMYEiABKAhICogBARIiChppbmNsdWRlX3N0b3Bfc3RyX2luX291dHB1dBgTIAEoCBIcCg9wcm9tcHRfbG9ncHJvYnMYFCABKA1IC4gBARIfChdyZXR1cm5fcHJvbXB0X3Rva2VuX2lkcxgVIAEoCBowCg5Mb2dpdEJpYXNFbnRyeRILCgNrZXkYASABKA0SDQoFdmFsdWUYAiABKAI6AjgBQg0KC19tYXhfdG9rZW5zQg4KDF90ZW1wZXJhdHVyZUIICgZfdG9wX3BCCAoGX3RvcF9rQggKBl9taW5fcEITChFfcHJlc2VuY2VfcGVuYWx0eUIUChJfZnJlcXVlbmN5X3BlbmFsdHlCFQoTX3JlcGV0aXRpb25fcGVuYWx0eUIHCgVfc2VlZEIECgJfbkIWChRfc2tpcF9zcGVjaWFsX3Rva2Vuc0ISChBfcHJvbXB0X2xvZ3Byb2JzIqYBCgpDb25zdHJhaW50EhUKC2pzb25fc2NoZW1hGAEgASgJSAASLQoLanNvbl9vYmplY3QYAiABKAsyFi5nb29nbGUucHJvdG9idWYuRW1wdHlIABIPCgVyZWdleBgDIAEoCUgAEiYKBmNob2ljZRgEIAEoCzIULmxhZGxlLnYxLkNob2ljZUxpc3RIABIRCgdncmFtbWFyGAUgASgJSABCBgoEa2luZCIdCgpDaG9pY2VMaXN0Eg8KB2Nob2ljZXMYASADKAkiOQoLTWF0Y2hlZFN0b3ASDgoEdGV4dBgBIAEoCUgAEhIKCHRva2VuX2lkGAIgASgNSABCBgoEa2luZCKzAgoGQ2hvaWNlEg0KBWluZGV4GAEgASgNEgwKBHRleHQYAiABKAkSEQoJdG9rZW5faWRzGAMgAygNEi0KDWZpbmlzaF9yZWFzb24YBCABKA4yFi5sYWRsZS52MS5GaW5pc2hSZWFzb24SKwoMbWF0Y2hlZF9zdG9wGAUgASgLMhUubGFkbGUudjEuTWF0Y2hlZFN0b3ASKAoIbG9ncHJvYnMYBiADKAsyFi5sYWRsZS52MS5Ub2tlbkxvZ3Byb2ISJgoKdG9vbF9jYWxscxgHIAMoCzISLmxhZGxlLnYxLlRvb2xDYWxsEhkKEXJlYXNvbmluZ19jb250ZW50GAggASgJEjAKCHNlZ21lbnRzGAkgAygLMh4ubGFkbGUudjEuVHJhbnNjcmlwdGlvblNlZ21lbnQivQIKC0Nob2ljZURlbHRhEg0KBWluZGV4GAEgASgNEgwKBHRleHQYAiABKAkSEQoJdG9rZW5faWRzGAMgAygNEigKCGxvZ3Byb2JzGAQgAygLMhYubGFkbGUudjEuVG9rZW5Mb2dwcm9iEi0KDWZpbmlzaF9yZWFzb24YBSABKA4yFi5sYWRsZS52MS5GaW5pc2hSZWFzb24SKwoMbWF0Y2hlZF9zdG9wGAYgASgLMhUubGFkbGUudjEuTWF0Y2hlZFN0b3ASKwoKdG9vbF9jYWxscxgHIAMoCzIXLmxhZGxlLnYxLlRvb2xDYWxsRGVsdGESGQoRcmVhc29uaW5nX2NvbnRlbnQYCCABKAkSMAoIc2VnbWVudHMYCSADKAsyHi5sYWRsZS52MS5UcmFuc2NyaXB0aW9uU2VnbWVudCKAAQoOUHJvbXB0TG9ncHJvYnMSFgoOZmlyc3RfdG9rZW5faWQYASABKA0SEwoLZmlyc3RfdG9rZW4YAiABKAkSGQoRZmlyc3RfdG9rZW5fYnl0ZXMYAyABKAwSJgoGdG9rZW5zGAQgAygLMhYubGFkbGUudjEuVG9rZW5Mb2dwcm9iIo8BCgxUb2tlbkxvZ3Byb2ISEAoIdG9rZW5faWQYASABKA0SDQoFdG9rZW4YAiABKAkSDwoHbG9ncHJvYhgDIAEoAhITCgt0b2tlbl9ieXRlcxgEIAEoDBIqCgx0b3BfbG9ncHJvYnMYBSADKAsyFC5sYWRsZS52MS5Ub3BMb2dwcm9iEgwKBHJhbmsYBiABKA0iUwoKVG9wTG9ncHJvYhIQCgh0b2tlbl9pZBgBIAEoDRINCgV0b2tlbhgCIAEoCRIPCgdsb2dwcm9iGAMgASgCEhMKC3Rva2VuX2J5dGVzGAQgASgMIocBCgVVc2FnZRIVCg1wcm9tcHRfdG9rZW5zGAEgASgNEhkKEWNvbXBsZXRpb25fdG9rZW5zGAIgASgNEhQKDHRvdGFsX3Rva2VucxgDIAEoDRIcChRjYWNoZWRfcHJvbXB0X3Rva2VucxgEIAEoDRIYChByZWFzb25pbmdfdG9rZW5zGAUgASgNKnwKEVRyYW5zY3JpcHRpb25UYXNrEiIKHlRSQU5TQ1JJUFRJT05fVEFTS19VTlNQRUNJRklFRBAAEiEKHVRSQU5TQ1JJUFRJT05fVEFTS19UUkFOU0NSSUJFEAESIAocVFJBTlNDUklQVElPTl9UQVNLX1RSQU5TTEFURRACKocBCg5Ub29sQ2hvaWNlTW9kZRIgChxUT09MX0NIT0lDRV9NT0RFX1VOU1BFQ0lGSUVEEAASGQoVVE9PTF9DSE9JQ0VfTU9ERV9OT05FEAESGQoVVE9PTF9DSE9JQ0VfTU9ERV9BVVRPEAISHQoZVE9PTF9DSE9JQ0VfTU9ERV9SRVFVSVJFRBADKlIKCFByaW9yaXR5EhgKFFBSSU9SSVRZX1VOU1BFQ0lGSUVEEAASGAoUUFJJT1JJVFlfSU5URVJBQ1RJVkUQARISCg5QUklPUklUWV9CQVRDSBACKpYBCgxGaW5pc2hSZWFzb24SHQoZRklOSVNIX1JFQVNPTl9VTlNQRUNJRklFRBAAEhYKEkZJTklTSF9SRUFTT05fU1RPUBABEhgKFEZJTklTSF9SRUFTT05fTEVOR1RIEAISFwoTRklOSVNIX1JFQVNPTl9BQk9SVBADEhwKGEZJTklTSF9SRUFTT05fVE9PTF9DQUxMUxAEYgZwcm90bzM", [file_google_protobuf_empty]);
+  fileDesc("ChRsYWRsZS92MS90eXBlcy5wcm90bxIIbGFkbGUudjEinwEKBUlucHV0Eg4KBHRleHQYASABKAlIABIjCgRjaGF0GAIgASgLMhMubGFkbGUudjEuQ2hhdElucHV0SAASJwoJdG9rZW5faWRzGAMgASgLMhIubGFkbGUudjEuVG9rZW5JZHNIABIwCg10cmFuc2NyaXB0aW9uGAQgASgLMhcubGFkbGUudjEuVHJhbnNjcmlwdGlvbkgAQgYKBGtpbmQixwEKDVRyYW5zY3JpcHRpb24SHgoFYXVkaW8YASABKAsyDy5sYWRsZS52MS5BdWRpbxIQCghsYW5ndWFnZRgCIAEoCRIpCgR0YXNrGAMgASgOMhsubGFkbGUudjEuVHJhbnNjcmlwdGlvblRhc2sSDgoGcHJvbXB0GAQgASgJEhIKCnRpbWVzdGFtcHMYBSABKAgSHAoUdGVtcGVyYXR1cmVfZmFsbGJhY2sYBiABKAgSFwoPd29yZF90aW1lc3RhbXBzGAcgASgIIj8KEVRyYW5zY3JpcHRpb25JbmZvEhAKCGxhbmd1YWdlGAEgASgJEhgKEGR1cmF0aW9uX3NlY29uZHMYAiABKAEiTQoRVHJhbnNjcmlwdGlvbldvcmQSDAoEd29yZBgBIAEoCRIVCg1zdGFydF9zZWNvbmRzGAIgASgBEhMKC2VuZF9zZWNvbmRzGAMgASgBIssBChRUcmFuc2NyaXB0aW9uU2VnbWVudBIVCg1zdGFydF9zZWNvbmRzGAEgASgBEhMKC2VuZF9zZWNvbmRzGAIgASgBEgwKBHRleHQYAyABKAkSEQoJdG9rZW5faWRzGAQgAygNEhMKC2ZpcnN0X3Rva2VuGAUgASgNEgwKBHNlZWsYBiABKA0SEwoLdGVtcGVyYXR1cmUYByABKAISGwoObm9fc3BlZWNoX3Byb2IYCCABKAJIAIgBAUIRCg9fbm9fc3BlZWNoX3Byb2IiFwoIVG9rZW5JZHMSCwoDaWRzGAEgAygNIt8BCglDaGF0SW5wdXQSJwoIbWVzc2FnZXMYASADKAsyFS5sYWRsZS52MS5DaGF0TWVzc2FnZRIdCgV0b29scxgCIAMoCzIOLmxhZGxlLnYxLlRvb2wSKQoLdG9vbF9jaG9pY2UYAyABKAsyFC5sYWRsZS52MS5Ub29sQ2hvaWNlEiIKFWFkZF9nZW5lcmF0aW9uX3Byb21wdBgEIAEoCEgAiAEBEiEKGWNoYXRfdGVtcGxhdGVfa3dhcmdzX2pzb24YBSABKAlCGAoWX2FkZF9nZW5lcmF0aW9uX3Byb21wdCKmAQoLQ2hhdE1lc3NhZ2USDAoEcm9sZRgBIAEoCRIPCgdjb250ZW50GAIgASgJEiYKCnRvb2xfY2FsbHMYAyADKAsyEi5sYWRsZS52MS5Ub29sQ2FsbBIUCgx0b29sX2NhbGxfaWQYBCABKAkSDAoEbmFtZRgFIAEoCRIsCg1jb250ZW50X3BhcnRzGAYgAygLMhUubGFkbGUudjEuQ29udGVudFBhcnQiaQoLQ29udGVudFBhcnQSDgoEdGV4dBgBIAEoCUgAEiAKBWltYWdlGAIgASgLMg8ubGFkbGUudjEuSW1hZ2VIABIgCgVhdWRpbxgDIAEoCzIPLmxhZGxlLnYxLkF1ZGlvSABCBgoEcGFydCIVCgVJbWFnZRIMCgRkYXRhGAEgASgMIhUKBUF1ZGlvEgwKBGRhdGEYASABKAwiUgoEVG9vbBIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhcKD3BhcmFtZXRlcnNfanNvbhgDIAEoCRIOCgZzdHJpY3QYBCABKAgiWQoKVG9vbENob2ljZRIoCgRtb2RlGAEgASgOMhgubGFkbGUudjEuVG9vbENob2ljZU1vZGVIABIXCg1mdW5jdGlvbl9uYW1lGAIgASgJSABCCAoGY2hvaWNlIjwKCFRvb2xDYWxsEgoKAmlkGAEgASgJEgwKBG5hbWUYAiABKAkSFgoOYXJndW1lbnRzX2pzb24YAyABKAkiVgoNVG9vbENhbGxEZWx0YRINCgVpbmRleBgBIAEoDRIKCgJpZBgCIAEoCRIMCgRuYW1lGAMgASgJEhwKFGFyZ3VtZW50c19qc29uX2RlbHRhGAQgASgJIqYGCg5TYW1wbGluZ1BhcmFtcxIXCgptYXhfdG9rZW5zGAEgASgNSACIAQESGAoLdGVtcGVyYXR1cmUYAiABKAJIAYgBARISCgV0b3BfcBgDIAEoAkgCiAEBEhIKBXRvcF9rGAQgASgFSAOIAQESEgoFbWluX3AYBSABKAJIBIgBARIdChBwcmVzZW5jZV9wZW5hbHR5GAYgASgCSAWIAQESHgoRZnJlcXVlbmN5X3BlbmFsdHkYByABKAJIBogBARIfChJyZXBldGl0aW9uX3BlbmFsdHkYCCABKAJIB4gBARI7Cgpsb2dpdF9iaWFzGAkgAygLMicubGFkbGUudjEuU2FtcGxpbmdQYXJhbXMuTG9naXRCaWFzRW50cnkSEQoEc2VlZBgKIAEoBEgIiAEBEhIKCm1pbl90b2tlbnMYCyABKA0SDAoEc3RvcBgMIAMoCRIWCg5zdG9wX3Rva2VuX2lkcxgNIAMoDRISCgppZ25vcmVfZW9zGA4gASgIEg4KAW4YDyABKA1ICYgBARIQCghsb2dwcm9icxgQIAEoCBIUCgx0b3BfbG9ncHJvYnMYESABKA0SIAoTc2tpcF9zcGVjaWFsX3Rva2VucxgSIAEoCEgKiAEBEiIKGmluY2x1ZGVfc3RvcF9zdHJfaW5fb3V0cHV0GBMgASgIEhwKD3Byb21wdF9sb2dwcm9icxgUIAEoDUgLiAEBEh8KF3JldHVybl9wcm9tcHRfdG9rZW5faWRzGBUgASgIGjAKDkxvZ2l0Qmlhc0VudHJ5EgsKA2tleRgBIAEoDRINCgV2YWx1ZRgCIAEoAjoCOAFCDQoLX21heF90b2tlbnNCDgoMX3RlbXBlcmF0dXJlQggKBl90b3BfcEIICgZfdG9wX2tCCAoGX21pbl9wQhMKEV9wcmVzZW5jZV9wZW5hbHR5QhQKEl9mcmVxdWVuY3lfcGVuYWx0eUIVChNfcmVwZXRpdGlvbl9wZW5hbHR5QgcKBV9zZWVkQgQKAl9uQhYKFF9za2lwX3NwZWNpYWxfdG9rZW5zQhIKEF9wcm9tcHRfbG9ncHJvYnMipgEKCkNvbnN0cmFpbnQSFQoLanNvbl9zY2hlbWEYASABKAlIABItCgtqc29uX29iamVjdBgCIAEoCzIWLmdvb2dsZS5wcm90b2J1Zi5FbXB0eUgAEg8KBXJlZ2V4GAMgASgJSAASJgoGY2hvaWNlGAQgASgLMhQubGFkbGUudjEuQ2hvaWNlTGlzdEgAEhEKB2dyYW1tYXIYBSABKAlIAEIGCgRraW5kIh0KCkNob2ljZUxpc3QSDwoHY2hvaWNlcxgBIAMoCSI5CgtNYXRjaGVkU3RvcBIOCgR0ZXh0GAEgASgJSAASEgoIdG9rZW5faWQYAiABKA1IAEIGCgRraW5kIt8CCgZDaG9pY2USDQoFaW5kZXgYASABKA0SDAoEdGV4dBgCIAEoCRIRCgl0b2tlbl9pZHMYAyADKA0SLQoNZmluaXNoX3JlYXNvbhgEIAEoDjIWLmxhZGxlLnYxLkZpbmlzaFJlYXNvbhIrCgxtYXRjaGVkX3N0b3AYBSABKAsyFS5sYWRsZS52MS5NYXRjaGVkU3RvcBIoCghsb2dwcm9icxgGIAMoCzIWLmxhZGxlLnYxLlRva2VuTG9ncHJvYhImCgp0b29sX2NhbGxzGAcgAygLMhIubGFkbGUudjEuVG9vbENhbGwSGQoRcmVhc29uaW5nX2NvbnRlbnQYCCABKAkSMAoIc2VnbWVudHMYCSADKAsyHi5sYWRsZS52MS5UcmFuc2NyaXB0aW9uU2VnbWVudBIqCgV3b3JkcxgKIAMoCzIbLmxhZGxlLnYxLlRyYW5zY3JpcHRpb25Xb3JkIukCCgtDaG9pY2VEZWx0YRINCgVpbmRleBgBIAEoDRIMCgR0ZXh0GAIgASgJEhEKCXRva2VuX2lkcxgDIAMoDRIoCghsb2dwcm9icxgEIAMoCzIWLmxhZGxlLnYxLlRva2VuTG9ncHJvYhItCg1maW5pc2hfcmVhc29uGAUgASgOMhYubGFkbGUudjEuRmluaXNoUmVhc29uEisKDG1hdGNoZWRfc3RvcBgGIAEoCzIVLmxhZGxlLnYxLk1hdGNoZWRTdG9wEisKCnRvb2xfY2FsbHMYByADKAsyFy5sYWRsZS52MS5Ub29sQ2FsbERlbHRhEhkKEXJlYXNvbmluZ19jb250ZW50GAggASgJEjAKCHNlZ21lbnRzGAkgAygLMh4ubGFkbGUudjEuVHJhbnNjcmlwdGlvblNlZ21lbnQSKgoFd29yZHMYCiADKAsyGy5sYWRsZS52MS5UcmFuc2NyaXB0aW9uV29yZCKAAQoOUHJvbXB0TG9ncHJvYnMSFgoOZmlyc3RfdG9rZW5faWQYASABKA0SEwoLZmlyc3RfdG9rZW4YAiABKAkSGQoRZmlyc3RfdG9rZW5fYnl0ZXMYAyABKAwSJgoGdG9rZW5zGAQgAygLMhYubGFkbGUudjEuVG9rZW5Mb2dwcm9iIo8BCgxUb2tlbkxvZ3Byb2ISEAoIdG9rZW5faWQYASABKA0SDQoFdG9rZW4YAiABKAkSDwoHbG9ncHJvYhgDIAEoAhITCgt0b2tlbl9ieXRlcxgEIAEoDBIqCgx0b3BfbG9ncHJvYnMYBSADKAsyFC5sYWRsZS52MS5Ub3BMb2dwcm9iEgwKBHJhbmsYBiABKA0iUwoKVG9wTG9ncHJvYhIQCgh0b2tlbl9pZBgBIAEoDRINCgV0b2tlbhgCIAEoCRIPCgdsb2dwcm9iGAMgASgCEhMKC3Rva2VuX2J5dGVzGAQgASgMIocBCgVVc2FnZRIVCg1wcm9tcHRfdG9rZW5zGAEgASgNEhkKEWNvbXBsZXRpb25fdG9rZW5zGAIgASgNEhQKDHRvdGFsX3Rva2VucxgDIAEoDRIcChRjYWNoZWRfcHJvbXB0X3Rva2VucxgEIAEoDRIYChByZWFzb25pbmdfdG9rZW5zGAUgASgNKnwKEVRyYW5zY3JpcHRpb25UYXNrEiIKHlRSQU5TQ1JJUFRJT05fVEFTS19VTlNQRUNJRklFRBAAEiEKHVRSQU5TQ1JJUFRJT05fVEFTS19UUkFOU0NSSUJFEAESIAocVFJBTlNDUklQVElPTl9UQVNLX1RSQU5TTEFURRACKocBCg5Ub29sQ2hvaWNlTW9kZRIgChxUT09MX0NIT0lDRV9NT0RFX1VOU1BFQ0lGSUVEEAASGQoVVE9PTF9DSE9JQ0VfTU9ERV9OT05FEAESGQoVVE9PTF9DSE9JQ0VfTU9ERV9BVVRPEAISHQoZVE9PTF9DSE9JQ0VfTU9ERV9SRVFVSVJFRBADKlIKCFByaW9yaXR5EhgKFFBSSU9SSVRZX1VOU1BFQ0lGSUVEEAASGAoUUFJJT1JJVFlfSU5URVJBQ1RJVkUQARISCg5QUklPUklUWV9CQVRDSBACKpYBCgxGaW5pc2hSZWFzb24SHQoZRklOSVNIX1JFQVNPTl9VTlNQRUNJRklFRBAAEhYKEkZJTklTSF9SRUFTT05fU1RPUBABEhgKFEZJTklTSF9SRUFTT05fTEVOR1RIEAISFwoTRklOSVNIX1JFQVNPTl9BQk9SVBADEhwKGEZJTklTSF9SRUFTT05fVE9PTF9DQUxMUxAEYgZwcm90bzM", [file_google_protobuf_empty]);
 
 /**
  * Input is what the model continues: exactly one of text, chat messages, token ids or an audio clip to transcribe.
@@ -135,6 +135,16 @@ export type Transcription = Message<"ladle.v1.Transcription"> & {
    * @generated from field: bool temperature_fallback = 6;
    */
   temperatureFallback: boolean;
+
+  /**
+   * Word timings, as transformers' `return_token_timestamps` and OpenAI's whisper `word_timestamps` align them: the
+   * cross-attention of the checkpoint's `alignment_heads` (generation_config.json) over the clip, normalized,
+   * median-filtered and aligned to its frames by dynamic time warping; each choice then comes with its words. A
+   * checkpoint without `alignment_heads` refuses it (INVALID_ARGUMENT).
+   *
+   * @generated from field: bool word_timestamps = 7;
+   */
+  wordTimestamps: boolean;
 };
 
 /**
@@ -171,6 +181,41 @@ export type TranscriptionInfo = Message<"ladle.v1.TranscriptionInfo"> & {
  */
 export const TranscriptionInfoSchema: GenMessage<TranscriptionInfo> = /*@__PURE__*/
   messageDesc(file_ladle_v1_types, 2);
+
+/**
+ * TranscriptionWord is one word of a transcription with its times (Transcription.word_timestamps).
+ *
+ * @generated from message ladle.v1.TranscriptionWord
+ */
+export type TranscriptionWord = Message<"ladle.v1.TranscriptionWord"> & {
+  /**
+   * The word as written, its leading space kept (punctuation joined to the word beside it, as Whisper joins it).
+   *
+   * @generated from field: string word = 1;
+   */
+  word: string;
+
+  /**
+   * When its first token starts, in seconds from the clip's start.
+   *
+   * @generated from field: double start_seconds = 2;
+   */
+  startSeconds: number;
+
+  /**
+   * When the token after its last starts (its last token's start, for the choice's last word).
+   *
+   * @generated from field: double end_seconds = 3;
+   */
+  endSeconds: number;
+};
+
+/**
+ * Describes the message ladle.v1.TranscriptionWord.
+ * Use `create(TranscriptionWordSchema)` to create a new message.
+ */
+export const TranscriptionWordSchema: GenMessage<TranscriptionWord> = /*@__PURE__*/
+  messageDesc(file_ladle_v1_types, 3);
 
 /**
  * TranscriptionSegment is a stretch of speech between two of Whisper's timestamp tokens (Transcription.timestamps).
@@ -244,7 +289,7 @@ export type TranscriptionSegment = Message<"ladle.v1.TranscriptionSegment"> & {
  * Use `create(TranscriptionSegmentSchema)` to create a new message.
  */
 export const TranscriptionSegmentSchema: GenMessage<TranscriptionSegment> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 3);
+  messageDesc(file_ladle_v1_types, 4);
 
 /**
  * TokenIds is a list of token ids (a message so it can sit in a oneof).
@@ -265,7 +310,7 @@ export type TokenIds = Message<"ladle.v1.TokenIds"> & {
  * Use `create(TokenIdsSchema)` to create a new message.
  */
 export const TokenIdsSchema: GenMessage<TokenIds> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 4);
+  messageDesc(file_ladle_v1_types, 5);
 
 /**
  * ChatInput is a conversation plus the tools the model may call.
@@ -315,7 +360,7 @@ export type ChatInput = Message<"ladle.v1.ChatInput"> & {
  * Use `create(ChatInputSchema)` to create a new message.
  */
 export const ChatInputSchema: GenMessage<ChatInput> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 5);
+  messageDesc(file_ladle_v1_types, 6);
 
 /**
  * ChatMessage is one turn of a conversation.
@@ -374,7 +419,7 @@ export type ChatMessage = Message<"ladle.v1.ChatMessage"> & {
  * Use `create(ChatMessageSchema)` to create a new message.
  */
 export const ChatMessageSchema: GenMessage<ChatMessage> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 6);
+  messageDesc(file_ladle_v1_types, 7);
 
 /**
  * ContentPart is one piece of a chat turn's content.
@@ -419,7 +464,7 @@ export type ContentPart = Message<"ladle.v1.ContentPart"> & {
  * Use `create(ContentPartSchema)` to create a new message.
  */
 export const ContentPartSchema: GenMessage<ContentPart> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 7);
+  messageDesc(file_ladle_v1_types, 8);
 
 /**
  * Image is one image of a chat turn, as its encoded file (the gateway turns an OpenAI `image_url`, a data: URL or
@@ -441,7 +486,7 @@ export type Image = Message<"ladle.v1.Image"> & {
  * Use `create(ImageSchema)` to create a new message.
  */
 export const ImageSchema: GenMessage<Image> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 8);
+  messageDesc(file_ladle_v1_types, 9);
 
 /**
  * Audio is one audio clip of a chat turn, as its encoded file (the gateway turns an OpenAI `input_audio` part, its
@@ -464,7 +509,7 @@ export type Audio = Message<"ladle.v1.Audio"> & {
  * Use `create(AudioSchema)` to create a new message.
  */
 export const AudioSchema: GenMessage<Audio> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 9);
+  messageDesc(file_ladle_v1_types, 10);
 
 /**
  * Tool is a function the model may call.
@@ -506,7 +551,7 @@ export type Tool = Message<"ladle.v1.Tool"> & {
  * Use `create(ToolSchema)` to create a new message.
  */
 export const ToolSchema: GenMessage<Tool> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 10);
+  messageDesc(file_ladle_v1_types, 11);
 
 /**
  * ToolChoice controls tool calling.
@@ -543,7 +588,7 @@ export type ToolChoice = Message<"ladle.v1.ToolChoice"> & {
  * Use `create(ToolChoiceSchema)` to create a new message.
  */
 export const ToolChoiceSchema: GenMessage<ToolChoice> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 11);
+  messageDesc(file_ladle_v1_types, 12);
 
 /**
  * ToolCall is one function call made by the model.
@@ -578,7 +623,7 @@ export type ToolCall = Message<"ladle.v1.ToolCall"> & {
  * Use `create(ToolCallSchema)` to create a new message.
  */
 export const ToolCallSchema: GenMessage<ToolCall> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 12);
+  messageDesc(file_ladle_v1_types, 13);
 
 /**
  * ToolCallDelta is part of a tool call in a stream, as OpenAI streams them.
@@ -620,7 +665,7 @@ export type ToolCallDelta = Message<"ladle.v1.ToolCallDelta"> & {
  * Use `create(ToolCallDeltaSchema)` to create a new message.
  */
 export const ToolCallDeltaSchema: GenMessage<ToolCallDelta> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 13);
+  messageDesc(file_ladle_v1_types, 14);
 
 /**
  * SamplingParams say how tokens are picked. Fields marked optional distinguish "unset" (use the default)
@@ -785,7 +830,7 @@ export type SamplingParams = Message<"ladle.v1.SamplingParams"> & {
  * Use `create(SamplingParamsSchema)` to create a new message.
  */
 export const SamplingParamsSchema: GenMessage<SamplingParams> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 14);
+  messageDesc(file_ladle_v1_types, 15);
 
 /**
  * Constraint restricts the output to a formal language; the engine compiles it with xgrammar.
@@ -846,7 +891,7 @@ export type Constraint = Message<"ladle.v1.Constraint"> & {
  * Use `create(ConstraintSchema)` to create a new message.
  */
 export const ConstraintSchema: GenMessage<Constraint> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 15);
+  messageDesc(file_ladle_v1_types, 16);
 
 /**
  * ChoiceList is a list of allowed outputs.
@@ -867,7 +912,7 @@ export type ChoiceList = Message<"ladle.v1.ChoiceList"> & {
  * Use `create(ChoiceListSchema)` to create a new message.
  */
 export const ChoiceListSchema: GenMessage<ChoiceList> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 16);
+  messageDesc(file_ladle_v1_types, 17);
 
 /**
  * MatchedStop is what ended a choice with FINISH_REASON_STOP.
@@ -904,7 +949,7 @@ export type MatchedStop = Message<"ladle.v1.MatchedStop"> & {
  * Use `create(MatchedStopSchema)` to create a new message.
  */
 export const MatchedStopSchema: GenMessage<MatchedStop> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 17);
+  messageDesc(file_ladle_v1_types, 18);
 
 /**
  * Choice is one finished choice of a generation.
@@ -975,6 +1020,13 @@ export type Choice = Message<"ladle.v1.Choice"> & {
    * @generated from field: repeated ladle.v1.TranscriptionSegment segments = 9;
    */
   segments: TranscriptionSegment[];
+
+  /**
+   * A transcription's words, in order, where it asked for word timings (Transcription.word_timestamps).
+   *
+   * @generated from field: repeated ladle.v1.TranscriptionWord words = 10;
+   */
+  words: TranscriptionWord[];
 };
 
 /**
@@ -982,7 +1034,7 @@ export type Choice = Message<"ladle.v1.Choice"> & {
  * Use `create(ChoiceSchema)` to create a new message.
  */
 export const ChoiceSchema: GenMessage<Choice> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 18);
+  messageDesc(file_ladle_v1_types, 19);
 
 /**
  * ChoiceDelta is what one choice produced since the previous stream message.
@@ -1052,6 +1104,13 @@ export type ChoiceDelta = Message<"ladle.v1.ChoiceDelta"> & {
    * @generated from field: repeated ladle.v1.TranscriptionSegment segments = 9;
    */
   segments: TranscriptionSegment[];
+
+  /**
+   * A transcription's words (Choice.words), all on the choice's last delta.
+   *
+   * @generated from field: repeated ladle.v1.TranscriptionWord words = 10;
+   */
+  words: TranscriptionWord[];
 };
 
 /**
@@ -1059,7 +1118,7 @@ export type ChoiceDelta = Message<"ladle.v1.ChoiceDelta"> & {
  * Use `create(ChoiceDeltaSchema)` to create a new message.
  */
 export const ChoiceDeltaSchema: GenMessage<ChoiceDelta> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 19);
+  messageDesc(file_ladle_v1_types, 20);
 
 /**
  * PromptLogprobs are a prompt's tokens, each after the first with its log-probability given the tokens before it.
@@ -1101,7 +1160,7 @@ export type PromptLogprobs = Message<"ladle.v1.PromptLogprobs"> & {
  * Use `create(PromptLogprobsSchema)` to create a new message.
  */
 export const PromptLogprobsSchema: GenMessage<PromptLogprobs> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 20);
+  messageDesc(file_ladle_v1_types, 21);
 
 /**
  * TokenLogprob is the log-probability of one generated token, with the best alternatives.
@@ -1158,7 +1217,7 @@ export type TokenLogprob = Message<"ladle.v1.TokenLogprob"> & {
  * Use `create(TokenLogprobSchema)` to create a new message.
  */
 export const TokenLogprobSchema: GenMessage<TokenLogprob> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 21);
+  messageDesc(file_ladle_v1_types, 22);
 
 /**
  * TopLogprob is one alternative at a position.
@@ -1200,7 +1259,7 @@ export type TopLogprob = Message<"ladle.v1.TopLogprob"> & {
  * Use `create(TopLogprobSchema)` to create a new message.
  */
 export const TopLogprobSchema: GenMessage<TopLogprob> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 22);
+  messageDesc(file_ladle_v1_types, 23);
 
 /**
  * Usage counts tokens for a request.
@@ -1249,7 +1308,7 @@ export type Usage = Message<"ladle.v1.Usage"> & {
  * Use `create(UsageSchema)` to create a new message.
  */
 export const UsageSchema: GenMessage<Usage> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_types, 23);
+  messageDesc(file_ladle_v1_types, 24);
 
 /**
  * TranscriptionTask is what a Transcription writes.
