@@ -52,6 +52,28 @@ def test_the_warping_path_and_the_filter_are_transformers() -> None:
     assert torch.equal(median_filter(values[..., :3], 7), values[..., :3])  # (no wider than half: as it is)
 
 
+def test_words_are_made_of_text_tokens_timed_by_their_place(tmp_path: Path) -> None:
+    """Timestamp and special tokens between the words make none (nor the end token), and each word's times are its
+    tokens' by their places in the whole decode (a diagonal attention: token i's row takes frames 2i and 2i + 1)."""
+    from engine_server.multimodal.word_timing import WordTiming, token_times
+    from tests.unit.test_whisper import whisper_tokenizer
+
+    tokenizer = whisper_tokenizer(tmp_path, timestamps=True)
+    begin, eos = tokenizer.convert_tokens_to_ids("<|0.00|>"), tokenizer.eos_token_id
+    the, cat, at = (tokenizer.encode(word, add_special_tokens=False)[0] for word in (" the", " cat", " a"))
+    ids = [begin, the, cat, begin + 50, tokenizer.convert_tokens_to_ids("<|de|>"), at, eos]
+    attention = torch.zeros(1, len(ids) - 1, 2 * (len(ids) - 1))
+    for row in range(len(ids) - 1):
+        attention[0, row, 2 * row : 2 * row + 2] = 1.0
+    times = token_times(attention, 3, len(ids))
+    words = WordTiming(3, "english", 10.0).words(tokenizer, ids, eos, attention)
+    assert [w.word for w in words] == [" the", " cat", " a"]
+    assert [(w.start, w.end) for w in words] == [(round(10 + times[1], 3), round(10 + times[2], 3)),
+                                                 (round(10 + times[2], 3), round(10 + times[3], 3)),
+                                                 (round(10 + times[5], 3), round(10 + times[6], 3))]
+    assert times == sorted(times) and len(set(times)) > 3  # (the diagonal: each token later than the one before)
+
+
 @pytest.fixture(scope="module")
 def whisper(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     """The tiny Whisper with `alignment_heads` in its generation config, its tokens that start a word (a leading
