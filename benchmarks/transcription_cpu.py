@@ -8,9 +8,13 @@ float path's greedy tokens must equal transformers' (the script fails otherwise)
 With `--timestamps` the vocabulary has Whisper's 1,501 timestamp tokens and every decode keeps to its timestamp rules:
 the engine's `Transcription.timestamps`, and transformers' one decode under its `WhisperTimeStampLogitsProcessor`
 (`GenerationMixin.generate` from the same prompt: Whisper's own `generate` would decode again from the last timestamp).
+With `--words` every decode times its words (the engine's `Transcription.word_timestamps`; transformers' `generate`
+with `return_token_timestamps` and the clips' attention masks), over the checkpoint's `ALIGNMENT_HEADS`.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.transcription_cpu --out benchmarks/results/transcription_cpu.jsonl
     PYTHONPATH=. .venv/bin/python -m benchmarks.transcription_cpu --timestamps \
+        --out benchmarks/results/transcription_cpu.jsonl
+    PYTHONPATH=. .venv/bin/python -m benchmarks.transcription_cpu --words \
         --out benchmarks/results/transcription_cpu.jsonl
 """
 
@@ -39,6 +43,7 @@ SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", *[f"<|{code}|>" for code i
 
 
 TIMESTAMPS = [f"<|{i * 0.02:.2f}|>" for i in range(1501)]  # <|0.00|> to <|30.00|>, after <|notimestamps|>
+ALIGNMENT_HEADS = [[3, 1], [4, 2], [5, 3], [5, 6]]  # (layer, head): a random checkpoint's, for word timings
 
 
 def save_checkpoint(folder: Path, timestamps: bool = False) -> Any:
@@ -61,7 +66,7 @@ def save_checkpoint(folder: Path, timestamps: bool = False) -> Any:
         task_to_id={"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]},
         no_timestamps_token_id=ids["<|notimestamps|>"], prev_sot_token_id=ids["<|startofprev|>"],
         is_multilingual=True, suppress_tokens=[], begin_suppress_tokens=[eos], max_length=448,
-        max_initial_timestamp_index=50,
+        max_initial_timestamp_index=50, alignment_heads=ALIGNMENT_HEADS,
     )  # fmt: skip
     generation.save_pretrained(folder)
     model.generation_config = generation
@@ -69,9 +74,11 @@ def save_checkpoint(folder: Path, timestamps: bool = False) -> Any:
     return model
 
 
-def transformers_run(model: Any, folder: Path, clips: list[bytes], timestamps: bool = False) -> dict[str, Any]:
+def transformers_run(
+    model: Any, folder: Path, clips: list[bytes], timestamps: bool = False, words: bool = False
+) -> dict[str, Any]:
     """transformers' timings over `clips` (`media_input.transformers_run`); with `timestamps`, one decode each under
-    Whisper's timestamp processor."""
+    Whisper's timestamp processor; with `words`, its token timestamps too."""
     import numpy as np
     import soundfile
     import torch
@@ -84,12 +91,14 @@ def transformers_run(model: Any, folder: Path, clips: list[bytes], timestamps: b
 
     def generate_all(batch: Sequence[bytes], new: int) -> list[list[int]]:
         samples = [np.asarray(soundfile.read(io.BytesIO(clip), dtype="float32")[0]) for clip in batch]
-        features = extractor(samples, sampling_rate=RATE, return_tensors="pt").input_features
+        found = extractor(samples, sampling_rate=RATE, return_tensors="pt", return_attention_mask=True)
+        features = found.input_features
         with torch.inference_mode():
             if not timestamps:
-                out = model.generate(features, language="en", task="transcribe", max_new_tokens=new,
-                                     min_new_tokens=new, do_sample=False)  # fmt: skip
-                return [[int(t) for t in row] for row in out]
+                out = model.generate(features, attention_mask=found.attention_mask, language="en", task="transcribe",
+                                     max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                     return_token_timestamps=words)  # fmt: skip
+                return [[int(t) for t in row] for row in (out["sequences"] if words else out)]
             rules = LogitsProcessorList([WhisperTimeStampLogitsProcessor(generation, len(prompt))])
             out = GenerationMixin.generate(model, input_features=features, decoder_input_ids=torch.tensor(
                 [prompt] * len(batch)), logits_processor=rules, max_new_tokens=new, min_new_tokens=new,
@@ -108,24 +117,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=8, help="clips at once")
     parser.add_argument("--timestamps", action="store_true", help="decode with Whisper's timestamp tokens")
+    parser.add_argument("--words", action="store_true", help="time every decode's words")
     parser.add_argument("--out", type=Path, help="append the results to this JSONL file")
     args = parser.parse_args(argv)
+    if args.timestamps and args.words:
+        parser.error("--timestamps and --words are measured apart")
     command = "python -m benchmarks.transcription_cpu" + (" --timestamps" if args.timestamps else "") + (
-        f" --out {args.out}" if args.out else "")
+        " --words" if args.words else "") + (f" --out {args.out}" if args.out else "")
     clips = [recording(seed) for seed in range(args.requests)]
     with tempfile.TemporaryDirectory() as root:
         folder = Path(root) / "whisper"
         model = save_checkpoint(folder, args.timestamps)
         model.eval()
-        peer = transformers_run(model, folder, clips, args.timestamps)
-        prompts = [TranscriptionPrompt(clip, "en", timestamps=args.timestamps) for clip in clips]
-        warm = TranscriptionPrompt(recording(99), "en", timestamps=args.timestamps)
+        peer = transformers_run(model, folder, clips, args.timestamps, args.words)
+        prompts = [TranscriptionPrompt(clip, "en", timestamps=args.timestamps, word_timestamps=args.words)
+                   for clip in clips]  # fmt: skip
+        warm = TranscriptionPrompt(recording(99), "en", timestamps=args.timestamps, word_timestamps=args.words)
         runs = media_input.compared_runs(folder, peer, prompts, warm, NEW, max_model_len=SHAPE["max_target_positions"])
     if runs is None:
         return 1
     result = media_input.result_record(
         "transcription_cpu", command, runs, args.requests, NEW, model="whisper", shape=SHAPE, weights="random",
-        clip_seconds=SECONDS, timestamps=args.timestamps,
+        clip_seconds=SECONDS, timestamps=args.timestamps, words=args.words,
     )  # fmt: skip
     print(result)
     if args.out:
