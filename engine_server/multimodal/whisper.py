@@ -225,8 +225,8 @@ class WhisperCrossStates:
             return _Rows(base, count, kv)
         aligned = self._aligned.get(request.request_id)
         if aligned is None:
-            heads, rows = len(self.encoder.alignment_heads), max(request.max_tokens, 1)
-            aligned = self._aligned[request.request_id] = torch.zeros(heads, rows, clip.align_frames)
+            shape = (len(self.encoder.alignment_heads), max(request.max_tokens, 1), clip.align_frames)
+            aligned = self._aligned[request.request_id] = torch.zeros(shape, device=self.device)
         prompt = request.num_prompt_tokens
         skip, into = max(prompt - start, 0), max(start - prompt, 0)
         filled = min(into + max(count - skip, 0), aligned.shape[1])
@@ -234,12 +234,12 @@ class WhisperCrossStates:
         return _Rows(base, count, kv, aligned, skip, into)
 
     def alignment(self, request_id: str) -> torch.Tensor | None:
-        """A finished request's alignment-head probabilities over its clip, `[heads, rows, frames]` (row i: output
-        token i's query, as fed back; its last token's never is), handed out once; None where it asked no word
+        """A finished request's alignment-head probabilities over its clip, `[heads, rows, frames]` on the host (row i:
+        output token i's query, as fed back; its last token's never is), handed out once; None where it asked no word
         timings."""
         aligned = self._aligned.pop(request_id, None)
         rows = self._aligned_rows.pop(request_id, 0)
-        return None if aligned is None else aligned[:, :rows].clone()
+        return None if aligned is None else aligned[:, :rows].to("cpu", copy=True)
 
     def _states(self, request_id: str, clip: MultimodalInputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
         digest = clip.digest
