@@ -55,6 +55,16 @@ class TranscriptionForm(BaseModel):
     temperature_fallback: bool = True
 
     @property
+    def shows_words(self) -> bool:
+        """Whether verbose_json answers words (`timestamp_granularities` holds `word`)."""
+        return "word" in self.timestamp_granularities
+
+    @property
+    def shows_segments(self) -> bool:
+        """Whether the answer shows segments: `segment` asked, or no granularity (a timed format's default)."""
+        return not self.timestamp_granularities or "segment" in self.timestamp_granularities
+
+    @property
     def want_logprobs(self) -> bool:
         return "logprobs" in self.include
 

@@ -11,8 +11,11 @@ A form whose `temperature` is unset or 0 asks Whisper's temperature fallback (`T
 as OpenAI documents whisper-1's: "the model will use log probability to automatically increase the temperature
 until certain thresholds are hit"; a stream does not (it decodes each window once, greedily, so that its deltas come
 as they are made), nor a form with `temperature_fallback` false (ladle's extra).
-Word timings are not measured (no cross-attention alignment). An engine's reply with text but no segments (one that
-ignores timestamps) answers as one segment over the whole clip.
+`timestamp_granularities[]` `word` (verbose_json only) asks the engine's word timings (`Transcription.word_timestamps`:
+Whisper's cross-attention alignment) and answers its words (`words`: each word without its leading space, its start
+and end); `segment`, or no granularity, answers `segments`; `word` alone answers no segments (the engine is then not
+asked for timestamps). An engine's reply with text but no segments (one that ignores timestamps) answers as one
+segment over the whole clip.
 The text answered is the model's with its surrounding white space trimmed (Whisper starts with a space), as OpenAI
 answers.
 Usage is OpenAI's token usage (`{"type": "tokens", ...}`) in json and in a stream's done event, the clip's seconds
@@ -40,13 +43,13 @@ _OPTIONAL_SAMPLING = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_
 
 
 def check_form(form: TranscriptionForm) -> None:
-    """400 naming the field for what the engine cannot give: `word` timestamps (the engine gives segment
-    timestamps only), an `include` other than logprobs, logprobs in a format other than json (as OpenAI), a stream in a
-    format other than json or text (its events are text), and a translation into another language than English."""
-    if "word" in form.timestamp_granularities:
-        raise invalid("timestamp_granularities: `word` is not available: the engine gives segment timestamps "
-                      "(Whisper's timestamp tokens); word timings (cross-attention alignment) are not measured. "
-                      "Leave it out, or ask for `segment`", "timestamp_granularities")
+    """400 naming the field for what the engine cannot give or the answer cannot show: `word` timestamps in a format
+    other than verbose_json (as OpenAI), an `include` other than logprobs, logprobs in a format other than json (as
+    OpenAI), a stream in a format other than json or text (its events are text), and a translation into another
+    language than English."""
+    if "word" in form.timestamp_granularities and form.response_format != "verbose_json":
+        raise invalid("timestamp_granularities: `word` timestamps come with response_format verbose_json only, as "
+                      "OpenAI gives them", "timestamp_granularities")
     for item in form.include:
         if item != "logprobs":
             raise invalid(f"include: {item!r} is not available; the one include this server gives is 'logprobs'",
@@ -72,7 +75,8 @@ def transcription_request(
     check_form(form)
     transcription = types_pb2.Transcription(audio=types_pb2.Audio(data=audio), language=form.language or "",
                                             task=TASKS[task], prompt=form.prompt,
-                                            timestamps=form.response_format in TIMED_FORMATS,
+                                            timestamps=form.response_format in TIMED_FORMATS and form.shows_segments,
+                                            word_timestamps=form.shows_words,
                                             temperature_fallback=form.temperature_fallback and not form.temperature
                                             and not form.stream)
     sampling = types_pb2.SamplingParams(temperature=form.temperature if form.temperature is not None else 0.0,
@@ -132,13 +136,25 @@ def answer(
             return "".join(f"{number}\n{_cue(s, ',')}" for number, s in enumerate(found, 1)), MEDIA_TYPES[fmt]
         if fmt == "vtt":
             return "WEBVTT\n\n" + "".join(_cue(s, ".") for s in found), MEDIA_TYPES[fmt]
-        return {"task": task, "language": spoken_language(form, task, reply.transcription), "duration": duration,
-                "text": text, "segments": found, "usage": {"type": "duration", "seconds": duration}}, MEDIA_TYPES[fmt]
+        verbose: dict[str, Any] = {"task": task, "language": spoken_language(form, task, reply.transcription),
+                                   "duration": duration, "text": text}
+        if form.shows_segments:
+            verbose["segments"] = found
+        if form.shows_words:
+            verbose["words"] = words(choice)
+        verbose["usage"] = {"type": "duration", "seconds": duration}
+        return verbose, MEDIA_TYPES[fmt]
     body: dict[str, Any] = {"text": text}
     if form.want_logprobs:
         body["logprobs"] = logprobs(choice.logprobs)
     body["usage"] = token_usage(reply.usage)
     return body, MEDIA_TYPES[fmt]
+
+
+def words(choice: types_pb2.Choice) -> list[dict[str, Any]]:
+    """verbose_json's words: each of the engine's (Choice.words), its text without the space before it, as
+    whisper-1 writes them."""
+    return [{"word": w.word.strip(), "start": w.start_seconds, "end": w.end_seconds} for w in choice.words]
 
 
 def segments(choice: types_pb2.Choice, duration: float, temperature: float) -> list[dict[str, Any]]:

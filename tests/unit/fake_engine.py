@@ -25,6 +25,8 @@ tokens in order and each segment's `first_token` is where they start; the text i
 stream sends its tokens in two messages, the info on the first, the segments on the last. Under
 `Transcription.temperature_fallback` (refused unless the sampling's temperature is 0, as the engine refuses it) the
 first decode passes Whisper's check: the answer is as without, its segments at temperature 0 with NO_SPEECH_PROB.
+With `Transcription.word_timestamps` the choice (a stream's last delta) carries a word each of its words, each over an
+equal share of the clip in order.
 It keeps the real engine's rules for a Batch call: an item id must be non-empty and unique within the call
 (else the item fails INVALID_ARGUMENT, as engine_server.server.servicer answers), and the call reads at most
 2 x `max_num_seqs` items ahead of its answers (the engine's intake window; the caller's further items wait).
@@ -459,8 +461,19 @@ def _heard_reply(request_id: str, speech: types_pb2.Transcription, sampling: typ
                                          usage=_heard_usage(speech, len(pieces)))
     result.choices.add(index=0, text="".join(w for w, _, _ in pieces), token_ids=[t for _, t, _ in pieces],
                        logprobs=[lp for _, _, lp in pieces if lp is not None], segments=found,
-                       finish_reason=types_pb2.FINISH_REASON_STOP)
+                       words=_heard_words(speech), finish_reason=types_pb2.FINISH_REASON_STOP)
     return result
+
+
+def _heard_words(speech: types_pb2.Transcription) -> list[types_pb2.TranscriptionWord]:
+    """With `Transcription.word_timestamps`, each word of `heard_text` (its leading space kept) over an equal,
+    consecutive share of the clip, as the engine's words come; else none."""
+    if not speech.word_timestamps:
+        return []
+    words = [" " + w for w in heard_text(speech).split()]
+    share = clip_seconds(speech.audio.data) / len(words)
+    return [types_pb2.TranscriptionWord(word=w, start_seconds=i * share, end_seconds=(i + 1) * share)
+            for i, w in enumerate(words)]
 
 
 def _heard_stream(request_id: str, speech: types_pb2.Transcription, sampling: types_pb2.SamplingParams
@@ -473,7 +486,8 @@ def _heard_stream(request_id: str, speech: types_pb2.Transcription, sampling: ty
         delta = types_pb2.ChoiceDelta(index=0, text="".join(w for w, _, _ in part), token_ids=[t for _, t, _ in part],
                                       logprobs=[lp for _, _, lp in part if lp is not None],
                                       finish_reason=types_pb2.FINISH_REASON_STOP if last else None,
-                                      segments=found if last else None)
+                                      segments=found if last else None,
+                                      words=_heard_words(speech) if last else None)
         so_far = _heard_usage(speech, half if not last else len(pieces))
         message = engine_pb2.StreamResponse(request_id=request_id, choices=[delta], usage_so_far=so_far)
         if last:

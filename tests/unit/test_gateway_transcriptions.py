@@ -303,6 +303,40 @@ async def test_the_formats_that_show_times_ask_the_engine_for_timestamps(
     assert [transcription.timestamps for transcription, _ in fake[0].heard] == [timestamps, timestamps]
 
 
+@pytest.mark.parametrize(("granularities", "segments", "words"), [
+    (None, True, False), (["segment"], True, False), (["word"], False, True), (["word", "segment"], True, True),
+])  # fmt: skip
+async def test_verbose_json_answers_the_granularities_asked(
+    fake: tuple[FakeEngine, str], tmp_path: Path, granularities: list[str] | None, segments: bool, words: bool
+) -> None:
+    """As whisper-1: `word` asks the engine's word timings and answers `words` (each word's text trimmed, its times the
+    engine's); `segment`, or no granularity, asks timestamps and answers `segments`; `word` alone answers none (and
+    does not ask timestamps)."""
+    extra = {} if granularities is None else {"timestamp_granularities": granularities}
+    async with gateway_client(fake[1], tmp_path) as http:
+        verbose = await sdk(http).audio.transcriptions.create(model=MODEL, file=CLIP, response_format="verbose_json",
+                                                              **extra)  # fmt: skip
+    (transcription, _), = fake[0].heard
+    assert (transcription.timestamps, transcription.word_timestamps) == (segments, words)
+    assert (verbose.segments is not None, verbose.words is not None) == (segments, words)
+    if words:
+        assert verbose.words is not None
+        assert [(w.word, w.start, w.end) for w in verbose.words] == [
+            ("heard", 0.0, 0.5), (str(len(CLIP)), 0.5, 1.0), ("bytes", 1.0, 1.5)]  # (the fake's: trimmed)
+    assert verbose.text == heard()
+
+
+def test_the_answer_trims_each_words_text() -> None:
+    """The pure answer: the engine's words (their leading space kept) answer trimmed, their times as they came."""
+    result = reply(" Hello there.", duration=2.0)
+    result.choices[0].words.extend([types_pb2.TranscriptionWord(word=" Hello", start_seconds=0.0, end_seconds=0.5),
+                                    types_pb2.TranscriptionWord(word=" there.", start_seconds=0.5, end_seconds=1.25)])
+    body, _ = transcriptions.answer(TranscriptionForm(response_format="verbose_json",
+                                                      timestamp_granularities=["word"]), "transcribe", result)
+    assert isinstance(body, dict) and "segments" not in body
+    assert body["words"] == [{"word": "Hello", "start": 0.0, "end": 0.5}, {"word": "there.", "start": 0.5, "end": 1.25}]
+
+
 @pytest.mark.parametrize(("fields", "fallback"), [
     ({}, True), ({"temperature": 0.0}, True), ({"temperature": 0.3}, False),
     ({"extra_body": {"temperature_fallback": False}}, False), ({"stream": True}, False),
@@ -420,9 +454,9 @@ def form(fields: dict[str, str], file: bytes | None = CLIP) -> dict[str, Any]:
     ({"model": MODEL}, None, "file", "no `file` part"),
     ({"model": MODEL}, b"", "file", "empty"),
     ({"response_format": "diarized_json"}, CLIP, "response_format", "verbose_json"),
-    ({"timestamp_granularities[]": "word"}, CLIP, "timestamp_granularities",
-     "the engine gives segment timestamps (Whisper's timestamp tokens); word timings (cross-attention alignment) are "
-     "not measured"),
+    ({"timestamp_granularities[]": "word"}, CLIP, "timestamp_granularities", "verbose_json only"),
+    ({"timestamp_granularities[]": "word", "response_format": "srt"}, CLIP, "timestamp_granularities",
+     "verbose_json only"),
     ({"include[]": "confidence"}, CLIP, "include", "'confidence' is not available"),
     ({"include[]": "logprobs", "response_format": "text"}, CLIP, "include", "json only"),
     ({"stream": "true", "response_format": "srt"}, CLIP, "stream", "json or text"),
