@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ def whisper_served(
     root = tmp_path_factory.mktemp("whisper")
     folder = root / "model"
     model = save_whisper(folder, timestamps=True)
+    path = folder / "generation_config.json"  # (alignment heads: word timings)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "alignment_heads": [[1, 0], [1, 2], [0, 3]]}))
     engine = start_engine(root / "engine.log", "--model", str(folder), "--quantization", "none", threads=1)
     gateway = start_gateway(root / "gateway.log", engine.address)
     yield folder, model, engine, gateway
@@ -171,6 +174,29 @@ def test_a_long_clip_through_the_sdk_answers_its_windows_segments(
     subtitles = str(sdk.audio.transcriptions.create(model=model_id, file=("long.wav", audio), language="en",
                                                     response_format="srt", extra_body=limit))  # fmt: skip
     assert subtitles.count(" --> ") == len(verbose.segments)
+
+
+def test_word_timings_through_the_sdk_are_the_engines(
+    whisper_served: tuple[Path, Any, EngineProcess, GatewayProcess],
+) -> None:
+    """verbose_json with `timestamp_granularities=["word", "segment"]` through the SDK answers the words the engine
+    gives a gRPC caller for the same clip (trimmed; their times as the engine's), and its segments."""
+    _, _, engine, gateway = whisper_served
+    sdk = openai.OpenAI(base_url=gateway.base_url, api_key="unused")
+    model_id = sdk.models.list().data[0].id
+    data = clip(16, 2.5)
+    verbose = sdk.audio.transcriptions.create(
+        model=model_id, file=("w.wav", data), language="en", response_format="verbose_json",
+        timestamp_granularities=["word", "segment"],
+        extra_body={"max_completion_tokens": NEW_TOKENS, "temperature_fallback": False})  # fmt: skip
+    speech = types_pb2.Transcription(audio=types_pb2.Audio(data=data), language="en", timestamps=True,
+                                     word_timestamps=True)  # fmt: skip
+    with EngineClient(engine.address) as client:
+        reply = client.generate(engine_pb2.GenerateRequest(input=types_pb2.Input(transcription=speech),
+                                sampling=types_pb2.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)))
+    words = [(w.word.strip(), w.start_seconds, w.end_seconds) for w in reply.choices[0].words]
+    assert words and verbose.words is not None and verbose.segments
+    assert [(w.word, w.start, w.end) for w in verbose.words] == words
 
 
 def test_grpc_callers_send_transcriptions(whisper_served: tuple[Path, Any, EngineProcess, GatewayProcess]) -> None:
