@@ -38,7 +38,8 @@ TIMED_FORMATS = frozenset({"verbose_json", "srt", "vtt"})  # the formats that sh
 MEDIA_TYPES = {"json": "application/json", "verbose_json": "application/json", "text": "text/plain",
                "srt": "application/x-subrip", "vtt": "text/vtt"}
 # The engine's names for a transcription's fields (its INVALID_ARGUMENT's `ladle-param`) -> the form's.
-_FORM_PARAMS = {"audio": "file", "audio.data": "file", "input": "file", "max_tokens": "max_completion_tokens"}
+_FORM_PARAMS = {"audio": "file", "audio.data": "file", "input": "file", "max_tokens": "max_completion_tokens",
+                "timestamps": "response_format", "word_timestamps": "timestamp_granularities"}
 _OPTIONAL_SAMPLING = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -70,7 +71,8 @@ def transcription_request(
     """One Generate request for the clip: `Input.transcription` (the bytes as they came, the language, the task,
     the prompt, Whisper's timestamp tokens for a format that shows times, its temperature fallback where the form's
     temperature is unset or 0 and it does not stream) and the form's sampling, greedy unless `temperature` is set;
-    log-probabilities when the answer shows them (include logprobs) or is made of them (verbose_json's avg_logprob).
+    log-probabilities when the answer shows them (include logprobs) or is made of them (verbose_json's segments'
+    avg_logprob).
     400 as `check_form`."""
     check_form(form)
     transcription = types_pb2.Transcription(audio=types_pb2.Audio(data=audio), language=form.language or "",
@@ -80,7 +82,8 @@ def transcription_request(
                                             temperature_fallback=form.temperature_fallback and not form.temperature
                                             and not form.stream)
     sampling = types_pb2.SamplingParams(temperature=form.temperature if form.temperature is not None else 0.0,
-                                        logprobs=form.want_logprobs or form.response_format == "verbose_json")
+                                        logprobs=form.want_logprobs or (form.response_format == "verbose_json"
+                                                                        and form.shows_segments))
     if form.max_completion_tokens is not None:
         sampling.max_tokens = form.max_completion_tokens
     for name in _OPTIONAL_SAMPLING:
@@ -94,7 +97,9 @@ def transcription_request(
 
 def form_param(param: str | None) -> str | None:
     """The form field an engine's refusal names (`ladle-param`: `transcription.language` -> `language`, the clip's
-    `audio` -> `file`, `max_tokens` -> `max_completion_tokens`); other names unchanged, None stays None."""
+    `audio` -> `file`, `max_tokens` -> `max_completion_tokens`, `timestamps` (a model without timestamp tokens) ->
+    `response_format`, `word_timestamps` (one without alignment heads) -> `timestamp_granularities`); other names
+    unchanged, None stays None."""
     if param is None:
         return None
     name = param.removeprefix("input.").removeprefix("transcription.")

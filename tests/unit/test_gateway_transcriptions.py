@@ -168,8 +168,10 @@ def test_languages_are_named_as_openai_names_them() -> None:
 def test_the_engines_field_names_become_the_forms() -> None:
     assert [transcriptions.form_param(p) for p in ("transcription.audio", "input.transcription.audio.data",
                                                    "transcription.language", "transcription.prompt", "input",
-                                                   "max_tokens", "temperature", None)] == [
-        "file", "file", "language", "prompt", "file", "max_completion_tokens", "temperature", None]
+                                                   "max_tokens", "temperature", "input.transcription.timestamps",
+                                                   "input.transcription.word_timestamps", None)] == [
+        "file", "file", "language", "prompt", "file", "max_completion_tokens", "temperature", "response_format",
+        "timestamp_granularities", None]
 
 
 def test_a_transcription_is_routed_by_its_clip_then_its_task_language_and_prompt() -> None:
@@ -316,8 +318,9 @@ async def test_verbose_json_answers_the_granularities_asked(
     async with gateway_client(fake[1], tmp_path) as http:
         verbose = await sdk(http).audio.transcriptions.create(model=MODEL, file=CLIP, response_format="verbose_json",
                                                               **extra)  # fmt: skip
-    (transcription, _), = fake[0].heard
+    (transcription, sampling), = fake[0].heard
     assert (transcription.timestamps, transcription.word_timestamps) == (segments, words)
+    assert sampling.logprobs == segments  # (made into the segments' avg_logprob; words need none)
     assert (verbose.segments is not None, verbose.words is not None) == (segments, words)
     if words:
         assert verbose.words is not None
