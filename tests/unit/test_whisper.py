@@ -582,6 +582,11 @@ async def test_a_long_clip_over_grpc_generate_and_stream(whisper: tuple[Path, An
         messages = [message async for message in stub.Stream(engine_pb2.StreamRequest(
             input=transcription(german), sampling=sampling), timeout=120)]  # fmt: skip
         aborted = await cancelled_after_the_first_update(engine, TranscriptionPrompt(audio, "en"))
+        for _ in range(200):  # (the aborted streams let go)
+            if not engine.loop._streams:
+                break
+            await asyncio.sleep(0.01)
+        left = dict(engine.loop._streams)
     assert list(whole.choices[0].token_ids) == [t for _, tokens in detected_expected for t in tokens]
     assert whole.usage.prompt_tokens == sum(len(ids) for ids, _ in detected_expected)
     assert whole.usage.completion_tokens == 3 * NEW_TOKENS
@@ -592,7 +597,9 @@ async def test_a_long_clip_over_grpc_generate_and_stream(whisper: tuple[Path, An
     assert messages[0].transcription.language == "de" and round(messages[0].transcription.duration_seconds) == 65
     assert "".join(c.text for m in messages for c in m.choices) == joined_text(folder, german_expected)
     assert whole.choices[0].text == joined_text(folder, detected_expected)
-    assert len({core_id.rpartition("/")[0] for core_id in aborted}) == 3  # (closing early aborts every window)
+    # Closing early aborts every window the core holds (window 0, running, and those queued behind it; a window whose
+    # task had not reached the core yet, on a loaded machine, is cancelled before it does) and leaves none running.
+    assert 1 <= len({core_id.rpartition("/")[0] for core_id in aborted}) <= 3 and not left
 
 
 async def cancelled_after_the_first_update(engine: Any, prompt: TranscriptionPrompt) -> list[str]:
