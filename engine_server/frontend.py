@@ -12,8 +12,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from engine_server import beam_search
+from engine_server.beam_search import BeamSearch
 from engine_server.core.engine_core import CoreOutput
-from engine_server.core.request import Priority, Request, RequestStatus, RequestTimeline
+from engine_server.core.request import Priority, Request, RequestStatus, RequestTimeline, resolve_max_tokens
 from engine_server.errors import ValidationError
 from engine_server.harmony import HarmonyStream
 from engine_server.multimodal.audio import AudioProcessing, PromptAudio
@@ -352,6 +354,22 @@ class InputProcessor:
             raise ValidationError(f"temperature_fallback answers one choice: n must be 1, not {params.n}", "n")
         return dataclasses.replace(prompt, temperature_fallback=False), dataclasses.replace(
             params, temperature=temperature, logprobs=True, processed_logprobs=True)
+
+    def beam_search(self, prepared: PreparedPrompt) -> BeamSearch:
+        """The beam search of `prepared` (its parameters' beam_width over 1), validated as `make_requests` validates a
+        request; ValidationError where it asks what beam search does not serve (`beam_search.refusal`) or brings
+        images or a clip (beam search reads text)."""
+        params = prepared.params
+        prompt_len = len(prepared.token_ids)
+        params.validate(vocab_size=self.vocab_size, max_model_len=self.max_model_len, prompt_len=prompt_len)
+        stop_ids = sorted((frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(params.stop_token_ids))
+        beam_search.refusal(params, stop_ids)
+        if prepared.multimodal is not None or prepared.transcription is not None:
+            raise ValidationError("beam search reads text prompts: images, clips and transcriptions are not served "
+                                  "with it", "beam_width")  # fmt: skip
+        max_new = resolve_max_tokens(params, prompt_len, self.max_model_len)
+        return BeamSearch(params.beam_width, stop_ids, max_new, params.min_tokens, params.length_penalty,
+                          params.early_stopping)  # fmt: skip
 
     def detected(self, prompt: TranscriptionPrompt, language_token: int) -> TranscriptionPrompt:
         """`prompt` in the language of `language_token` (its `LanguageDetection`'s output)."""
@@ -714,6 +732,24 @@ def fallback_answer(
     usage = Usage(sum(r.usage.prompt_tokens for r in attempts), sum(r.usage.completion_tokens for r in attempts),
                   sum(r.usage.cached_prompt_tokens for r in attempts))  # fmt: skip
     return dataclasses.replace(last, choices=[choice], usage=usage)
+
+
+def beam_answer(tracker: RequestTracker, search: BeamSearch) -> GenerationResult:
+    """The answer of a finished beam search: its `tracker`'s result (a tracker made for the request as for any
+    request) with the n best beams as its choices, best first, each read as a whole choice is (its stop token, text,
+    reasoning, tool calls and log-probabilities as asked)."""
+    found = search.best(tracker.params.n)
+    for index, output in enumerate(beam_search.beam_outputs(found, tracker.params.top_logprobs)):
+        tracker.update(index, output)
+    return tracker.result
+
+
+def beam_candidates(step: GenerationResult) -> list[tuple[int, float]]:
+    """A beam search step's candidates for its beam: its one token's top log-probabilities (`beam_search.step_params`),
+    most likely first."""
+    logprobs = step.choices[0].logprobs
+    assert logprobs, "a beam's step asks its token's top log-probabilities"
+    return [(top.token_id, top.logprob) for top in logprobs[0].top_logprobs]
 
 
 def decode_check(result: GenerationResult, no_speech_prob: float | None) -> DecodeCheck:

@@ -13,6 +13,7 @@ from typing import Any, cast
 import torch
 from tqdm.auto import tqdm
 
+from engine_server import beam_search
 from engine_server.config import EngineConfig, SpeculativeConfig
 from engine_server.core.engine_core import EngineCore
 from engine_server.core.request import Priority, Request
@@ -25,6 +26,8 @@ from engine_server.frontend import (
     Prompt,
     RequestTracker,
     SilenceProbe,
+    beam_answer,
+    beam_candidates,
     decode_check,
     fallback_answer,
     joined_results,
@@ -197,6 +200,8 @@ class LLM:
         per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(batch)
         if len(per_prompt) != len(batch):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts")
+        if any(p.beam_width > 1 for p in per_prompt):
+            return self._generate_beams(batch, per_prompt, adapters, use_tqdm)
         trackers: dict[str, RequestTracker] = {}
         pending: deque[Request] = deque()
         # Chat prompts settle tool calling here: a forced tool_choice adds its grammar as the constraint.
@@ -222,6 +227,46 @@ class LLM:
             trackers[request_id] = tracker
         self._run(pending, trackers, use_tqdm)
         return [tracker.result for tracker in trackers.values()]
+
+    def _generate_beams(
+        self,
+        batch: list[Prompt],
+        per_prompt: list[SamplingParams],
+        adapters: str | Sequence[str | None] | None,
+        use_tqdm: bool,
+    ) -> list[GenerationResult]:
+        """`generate` where some prompts ask beam search (`engine_server.beam_search`): the others run first, together;
+        then every search's running beams run together as one-token requests, step after step, until each search
+        is done. Every beam search is validated before anything runs (`InputProcessor.beam_search`)."""
+        names = [adapters] * len(batch) if adapters is None or isinstance(adapters, str) else list(adapters)
+        searching = [i for i, p in enumerate(per_prompt) if p.beam_width > 1]
+        prepared = {i: self.inputs.prepare(batch[i], per_prompt[i]) for i in searching}
+        searches = {i: self.inputs.beam_search(prepared[i]) for i in searching}
+        self._resolve_adapters([names[i] for i in searching], len(searching))
+        results: dict[int, GenerationResult] = {}
+        plain = [i for i in range(len(batch)) if i not in searches]
+        if plain:
+            found = self.generate([batch[i] for i in plain], [per_prompt[i] for i in plain],
+                                  adapters=[names[i] for i in plain], use_tqdm=use_tqdm)  # fmt: skip
+            results.update(zip(plain, found, strict=True))
+        while live := [i for i in searching if not searches[i].done]:
+            beams = [(i, beam) for i in live for beam in searches[i].running]
+            steps = self.generate(
+                [[*prepared[i].token_ids, *beam.token_ids] for i, beam in beams],
+                [beam_search.step_params(prepared[i].params, searches[i]) for i, _ in beams],
+                adapters=[names[i] for i, _ in beams], use_tqdm=False,
+            )  # fmt: skip
+            for i in live:
+                mine = [step for (owner, _), step in zip(beams, steps, strict=True) if owner == i]
+                searches[i].advance([beam_candidates(step) for step in mine])
+        for i in searching:
+            item = prepared[i]
+            tracker = RequestTracker(
+                self.tokenizer, f"offline-{next(self._ids)}", item.token_ids, item.params, self.token_text,
+                item.tool_parsing, item.reasoning, item.harmony, item.reasoning_tags,
+            )  # fmt: skip
+            results[i] = beam_answer(tracker, searches[i])
+        return [results[i] for i in range(len(batch))]
 
     def _generate_windows(
         self,

@@ -15,6 +15,8 @@ MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_TOP_LOGPROBS = 20
+MAX_BEAM_WIDTH = 16
+MAX_BEAM_CANDIDATES = 512  # a beam search step's top log-probabilities: (1 + its stop tokens, at least 2) x beam_width
 MAX_LOGIT_BIAS_ENTRIES = 1024
 # OpenAI's documented range is [0, 2]; above 2 the distribution is close to uniform noise anyway.
 MAX_TEMPERATURE = 2.0
@@ -85,6 +87,16 @@ class SamplingParams:
     # The log-probabilities asked are the processed distribution's (after logit_bias, the bans, the timestamp rules,
     # the penalties and a grammar's mask; before the temperature), as Whisper judges a decode; set by the engine.
     processed_logprobs: bool = False
+    # Beam search (`engine_server.beam_search`): `beam_width` > 1 keeps that many beams and answers the n best, as
+    # transformers' `generate(num_beams=beam_width, num_return_sequences=n)` does, scored by their summed
+    # log-probabilities over their length ** `length_penalty`; `early_stopping` ends it once `beam_width` beams
+    # finished.
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+    # A one-token step of a beam search, set by the engine: its top_logprobs are the beams' candidates (up to
+    # MAX_BEAM_CANDIDATES, not MAX_TOP_LOGPROBS).
+    beam_step: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -138,12 +150,19 @@ class SamplingParams:
             )
         if self.min_tokens < 0:
             raise ValidationError(f"min_tokens must be >= 0, got {self.min_tokens}", param="min_tokens")
+        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValidationError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}",
+                                  param="beam_width")  # fmt: skip
+        if self.beam_width > 1 and self.n > self.beam_width:
+            raise ValidationError(f"beam search answers at most its beam_width ({self.beam_width}) choices, not n = "
+                                  f"{self.n}", param="n")  # fmt: skip
+        _check_finite("length_penalty", self.length_penalty)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValidationError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
                 param="min_tokens",
             )
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+        if not 0 <= self.top_logprobs <= (MAX_BEAM_CANDIDATES if self.beam_step else MAX_TOP_LOGPROBS):
             raise ValidationError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
                 param="top_logprobs",
