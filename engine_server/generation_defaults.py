@@ -65,13 +65,14 @@ class GenerationDefaults:
 
     def sampling_params(self, **fields: Any) -> SamplingParams:
         """SamplingParams with these defaults for every field not in `fields`; `fields` always win (an explicit
-        max_tokens, None included, replaces the default cap)."""
+        max_tokens, None included, replaces the default cap). A beam search (`beam_width` over 1) takes no default
+        repetition_penalty: it scores beams by their log-probabilities alone and refuses only a penalty asked."""
         values: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
             "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
+            "repetition_penalty": self.repetition_penalty if fields.get("beam_width", 1) == 1 else 1.0,
         }
         if "max_tokens" not in fields:
             values["default_max_tokens"] = self.max_tokens

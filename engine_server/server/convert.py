@@ -75,6 +75,8 @@ _OPTIONAL_SAMPLING_FIELDS = (
     "seed",
     "skip_special_tokens",
     "prompt_logprobs",
+    "beam_width",
+    "length_penalty",
 )
 
 
@@ -242,6 +244,7 @@ def sampling_params(message: types_pb2.SamplingParams, defaults: GenerationDefau
     proto3 zeros elsewhere mean 'off'."""
     explicit = {name: getattr(message, name) for name in _OPTIONAL_SAMPLING_FIELDS if message.HasField(cast(Any, name))}
     return defaults.sampling_params(
+        early_stopping=message.early_stopping,
         min_tokens=message.min_tokens,
         logit_bias=dict(message.logit_bias),
         stop=tuple(message.stop),

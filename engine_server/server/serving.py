@@ -23,7 +23,7 @@ from typing import Any, cast
 import structlog
 import torch
 
-from engine_server import faults
+from engine_server import beam_search, faults
 from engine_server.config import EngineConfig
 from engine_server.core.engine_core import CoreOutput, EngineCore
 from engine_server.core.request import Priority, Request, RequestStatus
@@ -43,6 +43,8 @@ from engine_server.frontend import (
     Prompt,
     RequestTracker,
     SilenceProbe,
+    beam_answer,
+    beam_candidates,
     decode_check,
     fallback_answer,
     joined_results,
@@ -349,6 +351,11 @@ class ServingEngine:
         """
         if self.info.pooling.encoder:
             raise UnsupportedByModelError(ENCODER_GENERATES)
+        if request.params.beam_width > 1:
+            async with contextlib.aclosing(self._generate_beams(request, deadline, wait)) as beams:
+                async for update in beams:
+                    yield update
+            return
         if isinstance(request.prompt, TranscriptionPrompt):
             windowed = await self._off_loop(self.inputs.windows, request.prompt)
             if windowed is not None:
@@ -482,6 +489,40 @@ class ServingEngine:
                 await asyncio.gather(probe, return_exceptions=True)
         asked = request.params.logprobs or request.params.top_logprobs > 0
         answer = fallback_answer(tried, check, used, asked)
+        yield StepUpdate([dataclasses.replace(choice) for choice in answer.choices], answer, finished=True)
+
+    async def _generate_beams(
+        self, request: GenerationInput, deadline: float | None, wait: bool
+    ) -> AsyncGenerator[StepUpdate, None]:
+        """`generate` under beam search (`engine_server.beam_search`): step after step, the running beams run
+        concurrently as one-token requests of their own under the same deadline and priority, until the search is
+        done; one update, finished: the n best beams as its choices. ValidationError before anything runs
+        (`InputProcessor.beam_search`); an error in any beam's request, or closing early, cancels the step's others."""
+        prepared: PreparedPrompt = await self._off_loop(self.inputs.prepare, request.prompt, request.params)
+        search = self.inputs.beam_search(prepared)
+        await self._adapter(request.adapter)
+        steps = 0
+        while not search.done:
+            params = beam_search.step_params(prepared.params, search)
+            running = [asyncio.ensure_future(self._result(
+                dataclasses.replace(request, prompt=[*prepared.token_ids, *beam.token_ids], params=params),
+                deadline, wait)) for beam in search.running]  # fmt: skip
+            try:
+                found = await asyncio.gather(*running)
+            finally:  # the first error is raised; the step's other requests are cancelled (aborted in the core)
+                for task in running:
+                    task.cancel()
+                await asyncio.gather(*running, return_exceptions=True)
+            search.advance([beam_candidates(step) for step in found])
+            steps += 1
+        tracker = RequestTracker(
+            self.tokenizer, request.request_id, prepared.token_ids, prepared.params, self.token_text,
+            prepared.tool_parsing, prepared.reasoning, prepared.harmony, prepared.reasoning_tags,
+        )  # fmt: skip
+        answer = beam_answer(tracker, search)
+        log.info("beam search finished", request_id=request.request_id, beam_width=search.width, steps=steps,
+                 prompt_tokens=answer.usage.prompt_tokens, completion_tokens=answer.usage.completion_tokens,
+                 finish_reasons=[str(c.finish_reason) for c in answer.choices])  # fmt: skip
         yield StepUpdate([dataclasses.replace(choice) for choice in answer.choices], answer, finished=True)
 
     async def _result(self, request: GenerationInput, deadline: float | None, wait: bool) -> GenerationResult:
@@ -637,9 +678,11 @@ def _log_finished(
     request_id: str, internal_id: str, outcome: str, tracker: RequestTracker, requests: Sequence[Request]
 ) -> None:
     usage = tracker.result.usage
+    # A beam search's steps (`ServingEngine._generate_beams`: width requests a token) are logged at debug level.
+    emit = log.debug if tracker.params.beam_step else log.info
     # `ran` is false when no choice was ever scheduled: e.g. its deadline passed while it was queued.
     ran = any(r.num_computed_tokens > 0 or r.num_output_tokens > 0 for r in requests)
-    log.info(
+    emit(
         "request finished",
         request_id=request_id,
         core_id=internal_id,

@@ -43,7 +43,8 @@ def _refuse_unsupported(body: BatchChatCompletionRequest) -> None:
     if body.stream:
         raise invalid("streaming is not supported by the batched endpoint; use /v1/chat/completions", "stream")
     if body.use_beam_search:
-        raise invalid("beam search is not supported", "use_beam_search")
+        raise invalid("beam search is not served here: send such a conversation to /v1/chat/completions",
+                      "use_beam_search")  # fmt: skip
     if body.n != 1:
         raise invalid("n must be 1 here: each conversation gets one choice", "n")
 

@@ -107,8 +107,11 @@ class SamplingFields(BaseModel):
     regex: str | None = None
     ebnf: str | None = None
     json_schema: dict[str, Any] | str | None = None
-    # Refused when set: ladle samples, it does not search.
+    # vLLM's beam search: n beams (best_of, on /v1/completions, where given), the n best answered
+    # (engine SamplingParams.beam_width); length_penalty and early_stopping as transformers' and vLLM's.
     use_beam_search: bool = False
+    length_penalty: float | None = Field(default=None, allow_inf_nan=False)
+    early_stopping: bool = False
     # vLLM's prefix-cache salt: requests share cached prompt blocks only with requests of the same project that
     # send the same salt (gateway.translate.cache_salt); unset, with every request of the project.
     cache_salt: str | None = Field(default=None, min_length=1)

@@ -51,9 +51,8 @@ _TOOL_MODES = {
 def sampling(
     body: SamplingFields, max_tokens: int | None, logprobs: bool, top_logprobs: int
 ) -> types_pb2.SamplingParams:
-    """The engine's sampling parameters for a chat or completions body."""
-    if body.use_beam_search:
-        raise invalid("beam search is not supported; ladle samples", "use_beam_search")
+    """The engine's sampling parameters for a chat or completions body; with use_beam_search, a beam search over
+    best_of (a completions body's, where given) or n beams, answering the n best."""
     params = types_pb2.SamplingParams(
         n=body.n,
         min_tokens=body.min_tokens,
@@ -80,6 +79,11 @@ def sampling(
             setattr(params, name, value)
     if body.prompt_logprobs is not None:
         params.prompt_logprobs = body.prompt_logprobs
+    if body.use_beam_search:
+        params.beam_width = getattr(body, "best_of", None) or body.n
+        params.early_stopping = body.early_stopping
+        if body.length_penalty is not None:
+            params.length_penalty = body.length_penalty
     params.return_prompt_token_ids = bool(body.return_token_ids)
     if body.seed is not None:
         params.seed = body.seed % ENGINE_SEEDS  # OpenAI's seeds are int64, negative ones too
@@ -302,8 +306,9 @@ def _completion_requests(
 ) -> list[engine_pb2.GenerateRequest]:
     if body.suffix:
         raise invalid("suffix is not supported", "suffix")
-    if body.best_of is not None and body.best_of != body.n:
-        raise invalid("best_of other than n is not supported", "best_of")
+    if body.best_of is not None and body.best_of != body.n and not body.use_beam_search:
+        raise invalid("best_of other than n is served with use_beam_search only (the n best of best_of beams)",
+                      "best_of")  # fmt: skip
     prompts = body.prompts()
     if not prompts:
         raise invalid("prompt must not be empty", "prompt")
