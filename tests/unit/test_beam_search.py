@@ -171,3 +171,30 @@ def test_grpc_generate_stream_and_batch(folder: Path, reference: Any, llm: LLM) 
     answered = [m for m in batch if m.WhichOneof("outcome") == "result"]
     assert len(answered) == 2
     assert all([list(c.token_ids) for c in m.result.choices] == beams for m in answered)
+
+
+def test_search_keeps_twice_its_width_and_stops_when_no_beam_can_win() -> None:
+    """The search on scripted candidates (stop token 0): a step keeps 2 x width candidates, so a beam that ends does
+    not take a running place; the search ends, long before its length cap, once no running beam at its present
+    length beats the worst finished one (transformers' heuristic)."""
+    from engine_server.beam_search import BeamSearch
+
+    search = BeamSearch(2, [0], max_new_tokens=10)
+    assert search.wanted == 4
+    search.advance([[(0, -0.1), (5, -1.0), (6, -1.2), (7, -3.0)]])
+    assert [beam.token_ids for beam in search.running] == [(5,), (6,)]  # 0 ended: it finished, it does not run
+    assert not search.done
+    search.advance([[(0, -0.2), (8, -2.0), (9, -2.5), (10, -2.6)], [(0, -0.3), (8, -2.1), (9, -2.2), (10, -3.0)]])
+    assert search.done and search.length == 2  # the best running beam, -3.0 / 2, cannot beat -1.2 / 2
+    assert [found.beam.token_ids for found in search.best(2)] == [(0,), (5, 0)]
+    assert [found.score for found in search.best(2)] == pytest.approx([-0.1, -0.6])
+
+
+def test_min_tokens_asks_room_for_the_dropped_stop_tokens() -> None:
+    from engine_server.beam_search import BeamSearch
+
+    search = BeamSearch(3, [0, 1], max_new_tokens=10, min_new_tokens=1)
+    assert search.kept == 9 and search.wanted == 11  # (1 + 2 stop tokens) x 3, and the 2 dropped under min_tokens
+    search.advance([[(0, -0.1), (1, -0.2), *((t, -1.0 - t / 100) for t in range(2, 11))]])
+    assert all(beam.token_ids[0] > 1 for beam in search.running)
+    assert search.wanted == 9
