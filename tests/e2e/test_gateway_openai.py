@@ -190,3 +190,38 @@ def test_structured_output_and_extras(openai_client: openai.OpenAI, model_id: st
         max_tokens=8, temperature=0, extra_body={"regex": "[0-9]{3}"},
     )
     assert reply.choices[0].message.content is not None and len(reply.choices[0].message.content) == 3
+
+
+def test_beam_search_as_vllm_takes_it(
+    openai_client: openai.OpenAI, model_id: str, stub: engine_pb2_grpc.EngineServiceStub, gateway_http: httpx.Client
+) -> None:
+    """vLLM's `use_beam_search` (n beams, the n best answered; best_of beams on /v1/completions) answers the beams a
+    gRPC caller gets with beam_width, whole or streamed; what beam search does not serve is a 400 naming it."""
+    beams = {"use_beam_search": True, "length_penalty": 0.8}
+    reply = openai_client.chat.completions.create(model=model_id, messages=QUESTION, max_tokens=12, n=3,
+                                                  extra_body=beams)  # fmt: skip
+    texts = [c.message.content for c in reply.choices]
+    message = types_pb2.ChatMessage(role="user", content=QUESTION[0]["content"])
+    request = engine_pb2.GenerateRequest(
+        input=types_pb2.Input(chat=types_pb2.ChatInput(messages=[message])),
+        sampling=types_pb2.SamplingParams(max_tokens=12, beam_width=3, n=3, length_penalty=0.8),
+    )
+    assert texts == [c.text for c in stub.Generate(request, timeout=120).choices]
+    assert len(set(texts)) == 3
+    assert reply.usage is not None and reply.usage.completion_tokens == sum(
+        len(c.token_ids) for c in stub.Generate(request, timeout=120).choices)
+    chunks = list(openai_client.chat.completions.create(model=model_id, messages=QUESTION, max_tokens=12, n=3,
+                                                        stream=True, extra_body=beams))  # fmt: skip
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)]  # fmt: skip
+    assert streamed == texts
+    best = openai_client.completions.create(model=model_id, prompt="The capital of France is", max_tokens=8, n=1,
+                                            best_of=3, extra_body={"use_beam_search": True})  # fmt: skip
+    three = openai_client.completions.create(model=model_id, prompt="The capital of France is", max_tokens=8, n=3,
+                                             extra_body={"use_beam_search": True})  # fmt: skip
+    assert [c.text for c in best.choices] == [three.choices[0].text]
+    refused = gateway_http.post("/v1/chat/completions", json={"model": model_id, "messages": QUESTION, "n": 2,
+                                                              "use_beam_search": True, "stop": ["."]})  # fmt: skip
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stop"
+    sampled = gateway_http.post("/v1/completions", json={"model": model_id, "prompt": "Hi", "n": 1, "best_of": 2})
+    assert sampled.status_code == 400 and sampled.json()["error"]["param"] == "best_of"

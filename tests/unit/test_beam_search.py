@@ -1,6 +1,7 @@
-"""Beam search (`SamplingParams.beam_width`, `engine_server.beam_search`) against transformers' `generate(num_beams=...)`
-on a small random Llama whose end token is one it often picks, so that beams end on it and at the length cap: the
-offline engine and the gRPC servicer answer transformers' beams token for token, with their log-probabilities."""
+"""Beam search (`SamplingParams.beam_width`, `engine_server.beam_search`) against transformers'
+`generate(num_beams=...)` on a small random Llama whose end token is one it often picks, so that beams end on it and
+at the length cap: the offline engine and the gRPC servicer answer transformers' beams token for token, with their
+log-probabilities."""
 
 from __future__ import annotations
 
