@@ -395,7 +395,13 @@ class ServingEngine:
 
         with self._owning(stream, unfinished, report):
             while unfinished:
-                deltas = self._apply(tracker, await stream.next(), unfinished)
+                outputs = await stream.next()
+                if any(output.alignment is not None for output in outputs):
+                    # Word timings' warping (up to ~0.1 s a window) runs on the tokenizer thread, off the event loop
+                    # that every other stream is sent from; this coroutine awaits it, so the tracker has one user.
+                    deltas = await self._off_loop(self._apply, tracker, outputs, unfinished)
+                else:
+                    deltas = self._apply(tracker, outputs, unfinished)
                 if deltas:
                     yield StepUpdate(deltas, tracker.result, finished=not unfinished)
 

@@ -184,11 +184,23 @@ def test_a_long_clips_words_are_placed_in_the_clip(whisper: tuple[Path, Any]) ->
 
 
 @pytest.mark.slow
-def test_words_over_grpc(whisper: tuple[Path, Any]) -> None:
+def test_words_over_grpc(whisper: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """`Transcription.word_timestamps` over the servicer: Generate answers the words the offline engine gives; Stream
-    sends them on the choice's last delta alone."""
+    sends them on the choice's last delta alone. Served, the words are made off the event loop (their warping takes
+    up to ~0.1 s), on the tokenizer thread."""
+    import threading
+
+    from engine_server.multimodal.word_timing import WordTiming
     from ladle.v1 import types_pb2
 
+    threads: list[str] = []
+    made = WordTiming.words
+
+    def words(self: WordTiming, *args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return made(self, *args, **kwargs)
+
+    monkeypatch.setattr(WordTiming, "words", words)
     folder, _ = whisper
     prompt = dataclasses.replace(CASES["transcribe"](), word_timestamps=True)
     message = types_pb2.Input(transcription=types_pb2.Transcription(
@@ -203,6 +215,8 @@ def test_words_over_grpc(whisper: tuple[Path, Any]) -> None:
     assert read(whole.choices[0].words) == words_of(offline) and words_of(offline)
     deltas = [choice for m in stream for choice in m.choices]
     assert read(deltas[-1].words) == words_of(offline) and not any(d.words for d in deltas[:-1])
+    assert threads[0] == threading.main_thread().name  # the offline engine's, on its caller's thread
+    assert len(threads) == 3 and all(name.startswith("tokenizer") for name in threads[1:])
 
 
 @pytest.mark.slow
