@@ -24,6 +24,7 @@ Usage is OpenAI's token usage (`{"type": "tokens", ...}`) in json and in a strea
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from typing import Any
 
@@ -163,28 +164,36 @@ def words(choice: types_pb2.Choice) -> list[dict[str, Any]]:
 
 
 def segments(choice: types_pb2.Choice, duration: float, temperature: float) -> list[dict[str, Any]]:
-    """verbose_json's segments of a choice: one per engine segment, its avg_logprob the mean of its own tokens'
-    log-probabilities (Choice.logprobs from its `first_token`; None where none came), its temperature and no-speech
-    probability the engine's. The fallback, for an engine that answers text without segments (it ignores
-    timestamps): one segment from 0 to the clip's duration over the whole choice at `temperature` (the form's); no
-    text and no segments: none."""
+    """verbose_json's segments of a choice: one per engine segment, its temperature and no-speech probability the
+    engine's, and as Whisper writes them its window's avg_logprob (the mean of Choice.logprobs over the window's
+    tokens, its end token included; None where none came) and compression ratio (of the window's text): a window's
+    segments are those of one `seek`, its tokens from its first segment's `first_token` to the next window's. The
+    fallback, for an engine that answers text without segments (it ignores timestamps): one segment from 0 to the
+    clip's duration over the whole choice at `temperature` (the form's); no text and no segments: none."""
     found = [e.logprob for e in choice.logprobs]
     if not choice.segments:
         if not choice.text:
             return []
-        return [_segment(0, 0, 0.0, duration, choice.text, list(choice.token_ids), found, temperature)]
-    return [_segment(index, s.seek, s.start_seconds, s.end_seconds, s.text, list(s.token_ids),
-                     found[s.first_token:s.first_token + len(s.token_ids)], round(s.temperature, 6),
-                     s.no_speech_prob if s.HasField("no_speech_prob") else None)
-            for index, s in enumerate(choice.segments)]
+        return [_segment(0, 0, 0.0, duration, choice.text, list(choice.token_ids), found, choice.text, temperature)]
+    windows = [list(group) for _, group in itertools.groupby(choice.segments, key=lambda s: s.seek)]
+    starts = [window[0].first_token for window in windows] + [len(choice.token_ids)]
+    answered: list[dict[str, Any]] = []
+    for window, start, end in zip(windows, starts, starts[1:], strict=False):
+        text = "".join(s.text for s in window)
+        answered += [_segment(len(answered) + i, s.seek, s.start_seconds, s.end_seconds, s.text, list(s.token_ids),
+                              found[start:end], text, round(s.temperature, 6),
+                              s.no_speech_prob if s.HasField("no_speech_prob") else None)
+                     for i, s in enumerate(window)]  # fmt: skip
+    return answered
 
 
 def _segment(index: int, seek: int, start: float, end: float, text: str, tokens: list[int], found: list[float],
-             temperature: float, no_speech_prob: float | None = None) -> dict[str, Any]:
-    """One of verbose_json's segments, as whisper-1 writes it; `found`: its tokens' log-probabilities."""
+             window_text: str, temperature: float, no_speech_prob: float | None = None) -> dict[str, Any]:
+    """One of verbose_json's segments, as whisper-1 writes it; `found`: its window's tokens' log-probabilities,
+    `window_text`: its window's text."""
     return {"id": index, "seek": seek, "start": start, "end": end, "text": text, "tokens": tokens,
             "temperature": temperature, "avg_logprob": sum(found) / len(found) if found else None,
-            "compression_ratio": compression_ratio(text), "no_speech_prob": no_speech_prob}
+            "compression_ratio": compression_ratio(window_text), "no_speech_prob": no_speech_prob}
 
 
 def _cue(segment: dict[str, Any], decimal: str) -> str:

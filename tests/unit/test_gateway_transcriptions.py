@@ -125,7 +125,7 @@ def test_each_timed_format_answers_the_engines_segments() -> None:
     assert (second["id"], second["seek"], second["start"], second["end"], second["text"], second["tokens"],
             second["temperature"], second["no_speech_prob"]) == (1, 360_000, 3600.5, 3725.25, " Bye.",
                                                                  [50365, 9, 51000], 0.5, None)  # fmt: skip
-    assert second["avg_logprob"] == pytest.approx(-2.5 / 3)  # its own tokens' logprobs, from its first token on
+    assert second["avg_logprob"] == pytest.approx(-2.5 / 3)  # its window's tokens' logprobs, from its first token on
     assert second["compression_ratio"] == transcriptions.compression_ratio(" Bye.")
     assert [s["avg_logprob"] for s in answer("verbose_json", logprobs=False)[0]["segments"]] == [None, None]
 
@@ -284,11 +284,12 @@ async def test_a_transcription_in_every_format(fake: tuple[FakeEngine, str], tmp
             (0, 0, 0.0, 0.5, " heard 48044", [1000, 100, 101, 1025]),
             (1, 0, 0.5, 1.0, " bytes after", [1025, 102, 103, 1050]),
             (2, 0, 1.0, 1.5, " Ladle, Whisper.", [1050, 104, 105, 1075])]
-        # Each segment's own tokens' logprobs: its words' (-0.25 a word on) and its two timestamps' (-0.125 each).
-        assert [s.avg_logprob for s in verbose.segments] == pytest.approx([-0.25, -0.5, -0.75])
+        # As Whisper writes them, each segment's avg_logprob and compression ratio are its window's: the mean over the
+        # window's tokens, its words' (-0.25 a word on) and its timestamps' (-0.125 each), and its whole text's.
+        assert [s.avg_logprob for s in verbose.segments] == pytest.approx([-0.5] * 3)
         assert [(s.temperature, s.no_speech_prob) for s in verbose.segments] == [(0.0, NO_SPEECH_PROB)] * 3
         assert [s.compression_ratio for s in verbose.segments] == [
-            transcriptions.compression_ratio(t) for t in (" heard 48044", " bytes after", " Ladle, Whisper.")]
+            transcriptions.compression_ratio(" heard 48044 bytes after Ladle, Whisper.")] * 3
         detected = await client.audio.transcriptions.create(model=MODEL, file=MP3, response_format="verbose_json")
         assert detected.language == "english"  # the fake "detects" English when no language is given
         assert engine.heard[-1][0].audio.data == MP3  # passed on as it came: the engine decodes
