@@ -79,6 +79,9 @@ class ChatPrompt:
     messages: Sequence[ChatMessage]
     tools: Sequence[ChatTool] = ()
     add_generation_prompt: bool = True
+    # Continue the last message (its content the output's beginning) rather than answer it; needs
+    # add_generation_prompt False (`render_chat`).
+    continue_final_message: bool = False
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     tool_choice: ToolChoice | None = None
 
@@ -286,7 +289,8 @@ class InputProcessor:
         choice = prompt.effective_tool_choice
         choice.validate(prompt.tools)
         messages, tools = chat_for_template(prompt.messages, prompt.tools, choice, self.tool_template)
-        return render_chat(self.tokenizer, messages, tools, prompt.add_generation_prompt, prompt.template_kwargs)
+        return render_chat(self.tokenizer, messages, tools, prompt.add_generation_prompt, prompt.template_kwargs,
+                           prompt.continue_final_message)  # fmt: skip
 
     def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedPrompt:
         """Tokenize a prompt and, for a chat with tools, settle tool calling (blocking: run it off the event

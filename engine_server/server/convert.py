@@ -188,6 +188,7 @@ def chat_prompt(chat: types_pb2.ChatInput) -> ChatPrompt:
         ],
         tools=tools,
         add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
+        continue_final_message=chat.continue_final_message,
         template_kwargs=kwargs,
         tool_choice=choice,
     )

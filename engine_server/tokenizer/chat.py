@@ -149,8 +149,10 @@ def render_chat(
     tools: Sequence[ChatTool] = (),
     add_generation_prompt: bool = True,
     template_kwargs: Mapping[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> str:
-    """Return the prompt text the model's chat template produces for `messages`.
+    """Return the prompt text the model's chat template produces for `messages`; with `continue_final_message`, cut
+    right after the last message's content (transformers' `continue_final_message`: the output continues it).
 
     Raises ValidationError for an empty conversation, an unknown role, a model without a chat template, or a
     template variable outside ALLOWED_TEMPLATE_KWARGS; ModelTemplateError when the template attempts what its
@@ -160,6 +162,9 @@ def render_chat(
         raise ValidationError("messages must not be empty", "messages")
     if not getattr(tokenizer, "chat_template", None):
         raise ValidationError("this model has no chat template; send text or token ids instead", "messages")
+    if continue_final_message and add_generation_prompt:
+        raise ValidationError("continue_final_message continues the last message: add_generation_prompt must be "
+                              "false with it", "add_generation_prompt")  # fmt: skip
     extra = dict(template_kwargs or {})
     refused = sorted(set(extra) - ALLOWED_TEMPLATE_KWARGS)
     if refused:
@@ -179,6 +184,7 @@ def render_chat(
             [_message_dict(m, text_arguments, parts) for m in messages],
             tools=tool_dicts or None,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tokenize=False,
             **extra,
         )

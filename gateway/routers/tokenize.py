@@ -33,10 +33,12 @@ async def tokenize(body: TokenizeRequest, pool: Pool, rid: CallId, media: Media)
     request = engine_pb2.TokenizeRequest()
     if body.messages is not None:
         try:
-            chat = ChatCompletionRequest.model_validate({
-                "model": served.id, "messages": body.messages, "tools": body.tools,
-                "chat_template_kwargs": body.chat_template_kwargs, "add_generation_prompt": body.add_generation_prompt,
-            })
+            fields = {"model": served.id, "messages": body.messages, "tools": body.tools,
+                      "chat_template_kwargs": body.chat_template_kwargs,
+                      "continue_final_message": body.continue_final_message}
+            if "add_generation_prompt" in body.model_fields_set:  # (unset: as the chat route reads it unset)
+                fields["add_generation_prompt"] = body.add_generation_prompt
+            chat = ChatCompletionRequest.model_validate(fields)
         except pydantic.ValidationError as exc:
             raise invalid_body(exc) from None
         images = await media.fetch(chat_media_sources(chat.messages))

@@ -142,6 +142,9 @@ class ChatFields(SamplingFields):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    # vLLM's: continue the last message (an assistant turn begun) instead of answering it; add_generation_prompt is
+    # then false unless set true (refused).
+    continue_final_message: bool = False
     # OpenAI's reasoning effort: the chat template's `reasoning_effort` (gpt-oss's "Reasoning: <effort>"), and
     # `enable_thinking` false for "none" (Qwen3), unless chat_template_kwargs sets them.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None

@@ -1,5 +1,5 @@
 """vLLM's `POST /tokenize` and `POST /detokenize` bodies: a prompt (text) or chat `messages` (with the chat route's
-`tools`, `chat_template_kwargs` and `add_generation_prompt`), and token ids back to text."""
+`tools`, `chat_template_kwargs`, `add_generation_prompt` and `continue_final_message`), and token ids back to text."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ class TokenizeRequest(BaseModel):
     messages: list[dict[str, Any]] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False

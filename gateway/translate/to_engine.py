@@ -147,6 +147,11 @@ def chat_input(body: ChatFields, messages: list[ChatMessage], images: MediaBytes
         tools=[_tool(t) for t in body.tools or []],
         add_generation_prompt=body.add_generation_prompt,
     )
+    if body.continue_final_message:
+        if body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
+            raise invalid("continue_final_message continues the last message: add_generation_prompt must be false "
+                          "with it", "add_generation_prompt")  # fmt: skip
+        chat.continue_final_message, chat.add_generation_prompt = True, False
     choice = body.tool_choice
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in {t.function.name for t in body.tools or []}:

@@ -225,3 +225,29 @@ def test_beam_search_as_vllm_takes_it(
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "stop"
     sampled = gateway_http.post("/v1/completions", json={"model": model_id, "prompt": "Hi", "n": 1, "best_of": 2})
     assert sampled.status_code == 400 and sampled.json()["error"]["param"] == "best_of"
+
+
+def test_continue_final_message_goes_on_from_the_last_message(
+    openai_client: openai.OpenAI, model_id: str, stub: engine_pb2_grpc.EngineServiceStub, gateway_http: httpx.Client
+) -> None:
+    """vLLM's continue_final_message (with add_generation_prompt false, as vLLM's docs send it, or unset): the answer
+    continues the assistant turn the caller began, as the same tokens given as a completions prompt continue."""
+    begun = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    messages = [types_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in begun]
+    chat = types_pb2.ChatInput(messages=messages, add_generation_prompt=False, continue_final_message=True)
+    rendered = stub.Tokenize(engine_pb2.TokenizeRequest(input=types_pb2.Input(chat=chat)), timeout=60)
+    assert rendered.prompt_text.endswith("<|im_start|>assistant\nThe capital of France is")
+    continued = openai_client.completions.create(model=model_id, prompt=list(rendered.token_ids), max_tokens=12,
+                                                 temperature=0)  # fmt: skip
+    for extra in ({"continue_final_message": True, "add_generation_prompt": False}, {"continue_final_message": True}):
+        reply = openai_client.chat.completions.create(model=model_id, messages=begun, max_tokens=12,  # type: ignore[arg-type]
+                                                      temperature=0, extra_body=extra)  # fmt: skip
+        assert reply.choices[0].message.content == continued.choices[0].text
+        assert reply.usage is not None and reply.usage.prompt_tokens == len(rendered.token_ids)
+    both = gateway_http.post("/v1/chat/completions", json={"model": model_id, "messages": begun, "max_tokens": 4,
+                                                           "continue_final_message": True,
+                                                           "add_generation_prompt": True})  # fmt: skip
+    assert both.status_code == 400 and both.json()["error"]["param"] == "add_generation_prompt"
+    counted = gateway_http.post("/tokenize", json={"model": model_id, "messages": begun,
+                                                   "continue_final_message": True})  # fmt: skip
+    assert counted.json()["tokens"] == list(rendered.token_ids)

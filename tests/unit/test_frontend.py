@@ -157,6 +157,24 @@ def test_a_processors_chat_template_is_read_where_the_tokenizer_has_none(tmp_pat
     assert render_chat(tokenizer, [ChatMessage("user", "Hi")]) == "<|user|>Hi<end><|assistant|>"
 
 
+def test_continue_final_message_cuts_the_template_after_the_last_message(smollm2_tokenizer: Any) -> None:
+    """transformers' (and vLLM's) continue_final_message: the rendered text ends with the last message's content, its
+    turn left open, so the output goes on from it; it needs add_generation_prompt false, and a last message the
+    template does not write as given is refused."""
+    begun = [ChatMessage("user", "What is the capital of France?"), ChatMessage("assistant", "The capital is")]
+    whole = render_chat(smollm2_tokenizer, begun, add_generation_prompt=False)
+    text = render_chat(smollm2_tokenizer, begun, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\nThe capital is") and whole.startswith(text) and whole != text
+    with pytest.raises(ValidationError) as both:
+        render_chat(smollm2_tokenizer, begun, continue_final_message=True)
+    assert both.value.param == "add_generation_prompt"
+    tokenizer = copy.copy(smollm2_tokenizer)
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content | upper }}{% endfor %}"
+    with pytest.raises(ValidationError) as unwritten:
+        render_chat(tokenizer, begun, add_generation_prompt=False, continue_final_message=True)
+    assert unwritten.value.param == "messages"
+
+
 @pytest.mark.parametrize(
     "template",
     [
