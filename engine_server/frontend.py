@@ -297,7 +297,25 @@ class InputProcessor:
         loop). A forced tool_choice becomes the request's constraint; a request that also brings a constraint
         of its own is refused (ValidationError, param "tool_choice"). A transcription (`TranscriptionPrompt`, its
         language known: `needs_language`) is Whisper's decoder prompt and clip; a speech-to-text model refuses every
-        other kind, and every other model a transcription."""
+        other kind, and every other model a transcription. With `params.truncate_prompt_tokens` the prompt's last
+        tokens are kept (-1: as many as the context holds), a prompt of images or clips refused with it."""
+        prepared = self._prepare(prompt, params)
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return prepared
+        if keep == 0 or keep < -1:
+            raise ValidationError(f"truncate_prompt_tokens must be -1 (the context length) or at least 1, not {keep}",
+                                  "truncate_prompt_tokens")  # fmt: skip
+        if prepared.multimodal is not None or prepared.transcription is not None:
+            raise ValidationError("truncate_prompt_tokens is not served with images or clips: their tokens may not be "
+                                  "cut", "truncate_prompt_tokens")  # fmt: skip
+        keep = self.max_model_len if keep == -1 else keep
+        if len(prepared.token_ids) <= keep:
+            return prepared
+        return dataclasses.replace(prepared, token_ids=prepared.token_ids[-keep:])
+
+    def _prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedPrompt:
+        """`prepare` but the truncation."""
         if isinstance(prompt, TranscriptionPrompt | LanguageDetection | SilenceProbe) or self.transcription is not None:
             return self._prepare_transcription(prompt, params)
         if not isinstance(prompt, ChatPrompt):

@@ -94,6 +94,8 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
+    # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds); None: a longer prompt is refused.
+    truncate_prompt_tokens: int | None = None
     # A one-token step of a beam search, set by the engine: its top_logprobs are the beams' candidates (up to
     # MAX_BEAM_CANDIDATES, not MAX_TOP_LOGPROBS).
     beam_step: bool = False

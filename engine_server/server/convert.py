@@ -77,6 +77,7 @@ _OPTIONAL_SAMPLING_FIELDS = (
     "prompt_logprobs",
     "beam_width",
     "length_penalty",
+    "truncate_prompt_tokens",
 )
 
 

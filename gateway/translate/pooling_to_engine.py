@@ -84,13 +84,12 @@ def _chat_embedding_input(body: EmbeddingRequest) -> types_pb2.Input:
     unless add_generation_prompt is set."""
     if not body.messages:
         raise invalid("messages must not be empty", "messages")
-    if body.continue_final_message:
-        raise invalid("continue_final_message is not supported", "continue_final_message")
     if body.add_special_tokens:
         raise invalid("add_special_tokens is not supported with messages: the chat template adds them",
                       "add_special_tokens")
     chat = types_pb2.ChatInput(messages=[chat_message(m, i) for i, m in enumerate(body.messages)],
-                               add_generation_prompt=body.add_generation_prompt)
+                               add_generation_prompt=body.add_generation_prompt,
+                               continue_final_message=body.continue_final_message)
     if body.chat_template_kwargs:
         template_kwargs(body.chat_template_kwargs, chat)
     return types_pb2.Input(chat=chat)

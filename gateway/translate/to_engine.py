@@ -79,6 +79,8 @@ def sampling(
             setattr(params, name, value)
     if body.prompt_logprobs is not None:
         params.prompt_logprobs = body.prompt_logprobs
+    if body.truncate_prompt_tokens is not None:
+        params.truncate_prompt_tokens = body.truncate_prompt_tokens
     if body.use_beam_search:
         params.beam_width = getattr(body, "best_of", None) or body.n
         params.early_stopping = body.early_stopping

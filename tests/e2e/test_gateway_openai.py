@@ -251,3 +251,24 @@ def test_continue_final_message_goes_on_from_the_last_message(
     counted = gateway_http.post("/tokenize", json={"model": model_id, "messages": begun,
                                                    "continue_final_message": True})  # fmt: skip
     assert counted.json()["tokens"] == list(rendered.token_ids)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
+    openai_client: openai.OpenAI, model_id: str, stub: engine_pb2_grpc.EngineServiceStub
+) -> None:
+    """vLLM's truncate_prompt_tokens on completions and chat: the answer is the one to the prompt's last k tokens
+    (a chat's once rendered), and usage counts those k."""
+    prompt = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
+    ids = list(stub.Tokenize(engine_pb2.TokenizeRequest(input=types_pb2.Input(text=prompt)), timeout=60).token_ids)
+    cut = openai_client.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0,
+                                           extra_body={"truncate_prompt_tokens": 6})  # fmt: skip
+    last = openai_client.completions.create(model=model_id, prompt=ids[-6:], max_tokens=8, temperature=0)
+    assert cut.choices[0].text == last.choices[0].text
+    assert cut.usage is not None and cut.usage.prompt_tokens == 6
+    chat = types_pb2.ChatInput(messages=[types_pb2.ChatMessage(role="user", content=QUESTION[0]["content"])])
+    rendered = list(stub.Tokenize(engine_pb2.TokenizeRequest(input=types_pb2.Input(chat=chat)), timeout=60).token_ids)
+    reply = openai_client.chat.completions.create(model=model_id, messages=QUESTION, max_tokens=8, temperature=0,
+                                                  extra_body={"truncate_prompt_tokens": 5})  # fmt: skip
+    tail = openai_client.completions.create(model=model_id, prompt=rendered[-5:], max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content == tail.choices[0].text
+    assert reply.usage is not None and reply.usage.prompt_tokens == 5

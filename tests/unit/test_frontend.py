@@ -157,6 +157,23 @@ def test_a_processors_chat_template_is_read_where_the_tokenizer_has_none(tmp_pat
     assert render_chat(tokenizer, [ChatMessage("user", "Hi")]) == "<|user|>Hi<end><|assistant|>"
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(inputs: InputProcessor) -> None:
+    """vLLM's truncate_prompt_tokens: a text's, token ids' or a chat's rendered tokens cut to their last k (-1: as many
+    as the context holds); 0 and below -1 are refused."""
+    ids = list(range(10, 30))
+    assert inputs.prepare(ids, SamplingParams(truncate_prompt_tokens=5)).token_ids == ids[-5:]
+    assert inputs.prepare(ids, SamplingParams(truncate_prompt_tokens=50)).token_ids == ids
+    long = list(range(10, 10 + MAX_LEN + 7))
+    assert inputs.prepare(long, SamplingParams(truncate_prompt_tokens=-1)).token_ids == long[-MAX_LEN:]
+    text = "one two three four five six seven"
+    assert inputs.prepare(text, SamplingParams(truncate_prompt_tokens=3)).token_ids == inputs.tokenize(text)[-3:]
+    chat = ChatPrompt([ChatMessage("user", "What is the capital of France?")])
+    whole = inputs.prepare(chat, SamplingParams()).token_ids
+    assert inputs.prepare(chat, SamplingParams(truncate_prompt_tokens=4)).token_ids == whole[-4:]
+    for bad in (0, -2):
+        _refused("truncate_prompt_tokens", lambda: inputs.prepare(ids, SamplingParams(truncate_prompt_tokens=bad)))  # noqa: B023
+
+
 def test_continue_final_message_cuts_the_template_after_the_last_message(smollm2_tokenizer: Any) -> None:
     """transformers' (and vLLM's) continue_final_message: the rendered text ends with the last message's content, its
     turn left open, so the output goes on from it; it needs add_generation_prompt false, and a last message the

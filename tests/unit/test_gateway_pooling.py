@@ -85,7 +85,6 @@ def test_openais_four_input_forms_become_one_engine_input_each(value: Any, kinds
     ({}, "input"),
     ({"input": "a", "messages": [{"role": "user", "content": "b"}]}, "messages"),
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "user", "content": "b"}], "continue_final_message": True}, "continue_final_message"),
     ({"input": "a", "add_special_tokens": False}, "add_special_tokens"),
     ({"input": "a", "dimensions": 9}, "dimensions"),  # more than the model's 8
     ({"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
@@ -93,6 +92,15 @@ def test_openais_four_input_forms_become_one_engine_input_each(value: Any, kinds
 ])
 def test_what_an_embed_request_cannot_be_is_a_400_naming_the_field(fields: dict[str, Any], param: str) -> None:
     assert refused(lambda: pooling_to_engine.embed_request(embedding(**fields), "r", INFO)).param == param
+
+
+def test_a_chat_embedding_may_continue_its_last_message() -> None:
+    """vLLM's continue_final_message on a chat embedding: the engine renders the conversation cut after the last
+    message's content (`render_chat`)."""
+    messages = [{"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]
+    request = pooling_to_engine.embed_request(embedding(messages=messages, continue_final_message=True), "r", INFO)
+    chat = request.inputs[0].chat
+    assert chat.continue_final_message and not chat.add_generation_prompt
 
 
 @pytest.mark.parametrize(("fields", "param"), [

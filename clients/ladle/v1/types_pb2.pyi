@@ -760,6 +760,7 @@ class SamplingParams(_message.Message):
     BEAM_WIDTH_FIELD_NUMBER: _builtins.int
     LENGTH_PENALTY_FIELD_NUMBER: _builtins.int
     EARLY_STOPPING_FIELD_NUMBER: _builtins.int
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Most tokens to generate per choice. Unset: up to the context length."""
     temperature: _builtins.float
@@ -816,6 +817,10 @@ class SamplingParams(_message.Message):
     """End the beam search once beam_width beams finished (transformers' early_stopping=True); false: once no running
     beam can beat the worst finished one at its present length (transformers' default heuristic).
     """
+    truncate_prompt_tokens: _builtins.int
+    """Keep only the prompt's last k tokens (a chat's, once rendered), as vLLM's truncate_prompt_tokens; -1: as many as
+    the context holds. Refused for prompts with images or clips. Unset: a prompt longer than the context is refused.
+    """
     @_builtins.property
     def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
         """Added to the logit of each token id, values in [-100, 100]."""
@@ -855,10 +860,11 @@ class SamplingParams(_message.Message):
         beam_width: _builtins.int | None = ...,
         length_penalty: _builtins.float | None = ...,
         early_stopping: _builtins.bool = ...,
+        truncate_prompt_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_beam_width", b"_beam_width", "_frequency_penalty", b"_frequency_penalty", "_length_penalty", b"_length_penalty", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "beam_width", b"beam_width", "frequency_penalty", b"frequency_penalty", "length_penalty", b"length_penalty", "max_tokens", b"max_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_beam_width", b"_beam_width", "_frequency_penalty", b"_frequency_penalty", "_length_penalty", b"_length_penalty", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "beam_width", b"beam_width", "frequency_penalty", b"frequency_penalty", "length_penalty", b"length_penalty", "max_tokens", b"max_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_beam_width", b"_beam_width", "_frequency_penalty", b"_frequency_penalty", "_length_penalty", b"_length_penalty", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "beam_width", b"beam_width", "early_stopping", b"early_stopping", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "length_penalty", b"length_penalty", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "return_prompt_token_ids", b"return_prompt_token_ids", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_beam_width", b"_beam_width", "_frequency_penalty", b"_frequency_penalty", "_length_penalty", b"_length_penalty", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "beam_width", b"beam_width", "early_stopping", b"early_stopping", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "length_penalty", b"length_penalty", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "return_prompt_token_ids", b"return_prompt_token_ids", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__beam_width: _TypeAlias = _typing.Literal["beam_width"]  # noqa: Y015
     _WhichOneofArgType__beam_width: _TypeAlias = _typing.Literal["_beam_width", b"_beam_width"]  # noqa: Y015
@@ -888,6 +894,8 @@ class SamplingParams(_message.Message):
     _WhichOneofArgType__top_k: _TypeAlias = _typing.Literal["_top_k", b"_top_k"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    _WhichOneofReturnType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["truncate_prompt_tokens"]  # noqa: Y015
+    _WhichOneofArgType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__beam_width) -> _WhichOneofReturnType__beam_width | None: ...
     @_typing.overload
@@ -916,6 +924,8 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_k) -> _WhichOneofReturnType__top_k | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__truncate_prompt_tokens) -> _WhichOneofReturnType__truncate_prompt_tokens | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 
