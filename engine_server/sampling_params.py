@@ -72,6 +72,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # vLLM's allowed_token_ids: only these tokens are ever sampled (None: any).
+    allowed_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
@@ -204,6 +206,10 @@ class SamplingParams:
                     param="stop",
                 )
         validate_token_ids(self.stop_token_ids, vocab_size, param="stop_token_ids")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValidationError("allowed_token_ids must name at least one token", param="allowed_token_ids")
+            validate_token_ids(self.allowed_token_ids, vocab_size, param="allowed_token_ids")
 
 
 def validate_token_ids(ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:

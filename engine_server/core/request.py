@@ -231,7 +231,7 @@ class Request:
         # logit_bias, logprobs or any of the above): a batch of only such rows skips the sampler's set-up.
         self.argmax_only = (
             params.greedy and not self.needs_output_history and not params.logit_bias and not self.wants_logprobs
-            and not params.suppress_token_ids
+            and not params.suppress_token_ids and params.allowed_token_ids is None
         )
 
     @property

@@ -10,6 +10,7 @@ whatever the batch size and however many features the batch uses.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -88,6 +89,7 @@ class SamplingMetadata:
     repetition: RowSubset | None  # values (penalty,); tokens of prompt + output
     presence_frequency: RowSubset | None  # values (presence, frequency); tokens of the output
     bitmask: RowSubset | None  # values (masks [b, W] int32,)
+    allowed: RowSubset | None  # allowed_token_ids: values (masks [b, W] int32,), 1 = allowed
     seeded: SeededRows | None
     wants_logprobs: tuple[bool, ...]
     num_top_logprobs: tuple[int, ...]
@@ -99,7 +101,8 @@ class SamplingMetadata:
         return any(
             f is not None
             for f in (
-                self.logit_bias, self.banned, self.timestamps, self.repetition, self.presence_frequency, self.bitmask
+                self.logit_bias, self.banned, self.timestamps, self.repetition, self.presence_frequency, self.bitmask,
+                self.allowed,
             )
         )
 
@@ -146,6 +149,7 @@ class SamplingMetadata:
             repetition=_repetition(stage, rows),
             presence_frequency=_presence_frequency(stage, rows),
             bitmask=_bitmask(stage, rows),
+            allowed=_allowed(stage, rows, vocab_size),
             seeded=_seeded(stage, rows, greedy),
             wants_logprobs=tuple(r.params.logprobs or r.params.top_logprobs > 0 for r in rows),
             num_top_logprobs=tuple(r.params.top_logprobs for r in rows),
@@ -361,6 +365,26 @@ def _presence_frequency(stage: _Stager, rows: Sequence[SamplingRow]) -> RowSubse
     presence = [rows[i].params.presence_penalty for i in picked]
     frequency = [rows[i].params.frequency_penalty for i in picked]
     return _token_subset(stage, len(rows), picked, token_lists, [presence, frequency])
+
+
+def _allowed(stage: _Stager, rows: Sequence[SamplingRow], vocab_size: int) -> RowSubset | None:
+    """The rows with `allowed_token_ids`: their masks in one [b, W] int32 array, xgrammar's layout (bit i of word j
+    is token 32 j + i; 1 = allowed), staged with the step's other host arrays."""
+    picked = [(i, row.params.allowed_token_ids) for i, row in enumerate(rows) if row.params.allowed_token_ids]
+    if not picked:
+        return None
+    masks = np.stack([allowed_mask(ids, vocab_size) for _, ids in picked])
+    subset = None if len(picked) == len(rows) else stage([i for i, _ in picked], np.int64)
+    return RowSubset(rows=subset, values=(stage.array(masks),))
+
+
+@functools.lru_cache(maxsize=256)
+def allowed_mask(token_ids: tuple[int, ...], vocab_size: int) -> np.ndarray[Any, np.dtype[np.int32]]:
+    """[ceil(vocab_size / 32)] int32 with the bits of `token_ids` set (xgrammar's layout), made once per id list."""
+    words = np.zeros((vocab_size + 31) // 32, dtype=np.uint32)
+    ids = np.asarray(token_ids, dtype=np.int64)
+    np.bitwise_or.at(words, ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
+    return words.view(np.int32)
 
 
 def _bitmask(stage: _Stager, rows: Sequence[SamplingRow]) -> RowSubset | None:

@@ -7,7 +7,7 @@ Order of processing, each step only when some row of the batch uses it:
      output (Whisper's); Whisper's timestamp rules (`SamplingParams.timestamps`).
   3. repetition penalty (Hugging Face semantics) over the prompt and output tokens.
   4. presence / frequency penalties (OpenAI semantics) over the output tokens only.
-  5. the grammar bitmask (disallowed tokens to -inf).
+  5. the grammar bitmask, then allowed_token_ids' (disallowed tokens to -inf).
   6. greedy rows take the argmax here; the other rows go on:
   7. temperature -> top_k -> top_p (one sort of the batch, skipped when no row needs it) -> min_p ->
      the exponential race: a row with a seed takes counter-based noise, a function of its (seed, position of the
@@ -174,6 +174,8 @@ class Sampler:
             _on_subset(logits, meta.presence_frequency, _presence_frequency_)
         if meta.bitmask is not None:
             _on_subset(logits, meta.bitmask, lambda sub, s: logits_transforms.apply_token_bitmask_(sub, s.values[0]))
+        if meta.allowed is not None:
+            _on_subset(logits, meta.allowed, lambda sub, s: logits_transforms.apply_token_bitmask_(sub, s.values[0]))
         return logits
 
     def _pick(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

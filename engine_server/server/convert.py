@@ -251,6 +251,7 @@ def sampling_params(message: types_pb2.SamplingParams, defaults: GenerationDefau
         logit_bias=dict(message.logit_bias),
         stop=tuple(message.stop),
         stop_token_ids=tuple(message.stop_token_ids),
+        allowed_token_ids=tuple(message.allowed_token_ids) or None,
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs,
         top_logprobs=message.top_logprobs,

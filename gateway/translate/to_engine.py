@@ -79,6 +79,10 @@ def sampling(
             setattr(params, name, value)
     if body.prompt_logprobs is not None:
         params.prompt_logprobs = body.prompt_logprobs
+    if body.allowed_token_ids is not None:
+        if not body.allowed_token_ids:
+            raise invalid("allowed_token_ids must name at least one token", "allowed_token_ids")
+        params.allowed_token_ids.extend(body.allowed_token_ids)
     if body.truncate_prompt_tokens is not None:
         params.truncate_prompt_tokens = body.truncate_prompt_tokens
     if body.use_beam_search:

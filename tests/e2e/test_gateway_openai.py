@@ -272,3 +272,21 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
     tail = openai_client.completions.create(model=model_id, prompt=rendered[-5:], max_tokens=8, temperature=0)
     assert reply.choices[0].message.content == tail.choices[0].text
     assert reply.usage is not None and reply.usage.prompt_tokens == 5
+
+
+def test_allowed_token_ids_are_the_only_tokens_sampled(
+    openai_client: openai.OpenAI, model_id: str, stub: engine_pb2_grpc.EngineServiceStub, gateway_http: httpx.Client
+) -> None:
+    """vLLM's allowed_token_ids: every generated token is one of them, sampled or greedy; an empty list is a 400."""
+    words = stub.Tokenize(engine_pb2.TokenizeRequest(input=types_pb2.Input(text=" yes no maybe"),
+                                                     add_special_tokens=False), timeout=60)  # fmt: skip
+    allowed = list(words.token_ids)
+    for temperature in (0.0, 1.0):
+        reply = gateway_http.post("/v1/chat/completions", json={
+            "model": model_id, "messages": QUESTION, "max_tokens": 6, "temperature": temperature, "n": 2,
+            "allowed_token_ids": allowed, "return_token_ids": True, "ignore_eos": True}).json()  # fmt: skip
+        for choice in reply["choices"]:
+            assert choice["token_ids"] and set(choice["token_ids"]) <= set(allowed), choice
+    empty = gateway_http.post("/v1/chat/completions", json={"model": model_id, "messages": QUESTION,
+                                                            "allowed_token_ids": []})  # fmt: skip
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "allowed_token_ids"

@@ -216,6 +216,27 @@ def test_grammar_bitmask_restricts_tokens() -> None:
     assert len(set(out[1::2].tolist()) - allowed) > 0
 
 
+def test_allowed_token_ids_restrict_tokens_alone_and_beside_a_grammar() -> None:
+    """vLLM's allowed_token_ids: sampled and greedy rows take only those tokens (token 31, the sign bit, and one in
+    the second word included); beside a grammar's mask, only what both allow; other rows are untouched."""
+    vocab = 40
+    allowed = SamplingParams(allowed_token_ids=(3, 31, 33))
+    grammar = torch.zeros(2, dtype=torch.int32)
+    for t in (31, 33, 35):
+        grammar[t // 32] |= 1 << (t % 32)
+    logits = random_logits(300, vocab=vocab)
+    rows = [make_row(allowed if i % 3 else None, bitmask=grammar if i % 3 == 2 else None) for i in range(300)]
+    out = Sampler(vocab, "cpu", seed=7)(logits, rows).token_ids
+    assert set(out[1::3].tolist()) == {3, 31, 33}
+    assert set(out[2::3].tolist()) == {31, 33}
+    assert len(set(out[0::3].tolist()) - {3, 31, 33}) > 0
+    greedy = dataclasses.replace(allowed, temperature=0.0)
+    picked = Sampler(vocab, "cpu")(logits[:4], [make_row(greedy)] * 4).token_id_list()
+    masked = torch.full_like(logits[:4], float("-inf"))
+    masked[:, [3, 31, 33]] = logits[:4, [3, 31, 33]]
+    assert picked == masked.argmax(dim=-1).tolist()
+
+
 def test_sign_bit_of_the_bitmask_is_token_31() -> None:
     mask = torch.tensor([-(2**31)], dtype=torch.int32)  # only bit 31 set
     logits = random_logits(1, vocab=32)
