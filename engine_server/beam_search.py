@@ -9,7 +9,7 @@ float path the answers are transformers' token for token. `beam_result` writes t
 through the request's own `RequestTracker` (stop tokens, text, reasoning and tool calls read as for any choice).
 
 Beam search is greedy: temperature, top_p, top_k, min_p and seed are not used. What would change the scores is
-refused by name (`refusal`): penalties, logit_bias, allowed_token_ids, stop strings, constraints, prompt
+refused by name (`refusal`): penalties, logit_bias, allowed_token_ids, bad_words, stop strings, constraints, prompt
 log-probabilities, images and clips. The drivers are `ServingEngine._generate_beams` (served) and
 `LLM._generate_beams` (offline).
 """
@@ -65,7 +65,7 @@ def refusal(params: SamplingParams, stop_ids: Sequence[int]) -> None:
         "repetition_penalty": params.repetition_penalty != 1.0, "logit_bias": bool(params.logit_bias),
         "stop": bool(params.stop), "response_format": params.constraint is not None,
         "prompt_logprobs": params.prompt_logprobs is not None,
-        "allowed_token_ids": params.allowed_token_ids is not None,
+        "allowed_token_ids": params.allowed_token_ids is not None, "bad_words": bool(params.bad_words),
     }  # fmt: skip
     for name, asked in unserved.items():
         if asked:

@@ -300,6 +300,10 @@ class InputProcessor:
         other kind, and every other model a transcription. With `params.truncate_prompt_tokens` the prompt's last
         tokens are kept (-1: as many as the context holds), a prompt of images or clips refused with it."""
         prepared = self._prepare(prompt, params)
+        if params.bad_words:
+            params.validate_values()  # (at most 16 words, each bounded, before they are tokenized)
+            prepared = dataclasses.replace(prepared, params=dataclasses.replace(
+                prepared.params, bad_word_token_ids=self.bad_word_token_ids(params.bad_words)))  # fmt: skip
         keep = params.truncate_prompt_tokens
         if keep is None:
             return prepared
@@ -313,6 +317,18 @@ class InputProcessor:
         if len(prepared.token_ids) <= keep:
             return prepared
         return dataclasses.replace(prepared, token_ids=prepared.token_ids[-keep:])
+
+    def bad_word_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token sequences, as vLLM makes them: the word (its leading spaces stripped) as tokens,
+        then " " + the word where that is other tokens (a first token of its own) of the same count."""
+        found: list[tuple[int, ...]] = []
+        for word in words:
+            bare = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            found.append(bare)
+            if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare):
+                found.append(spaced)
+        return tuple(word for word in found if word)
 
     def _prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedPrompt:
         """`prepare` but the truncation."""

@@ -74,6 +74,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     # vLLM's allowed_token_ids: only these tokens are ever sampled (None: any).
     allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's bad_words: words never generated. The engine turns them into `bad_word_token_ids` (`InputProcessor.
+    # prepare`): each word's tokens, and again after a space where that is other tokens of the same count; a
+    # sequence's last token is held at -inf wherever the output so far ends with the tokens before it.
+    bad_words: tuple[str, ...] = ()
+    bad_word_token_ids: tuple[tuple[int, ...], ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
@@ -122,6 +127,7 @@ class SamplingParams:
         """The range checks that need neither the model nor the prompt: the numbers and the counts."""
         self._validate_numbers()
         self._validate_counts()
+        self._validate_bad_words()
 
     def _validate_numbers(self) -> None:
         _check_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
@@ -191,6 +197,15 @@ class SamplingParams:
                     f"logit_bias key {token_id!r} is not a token id in [0, {vocab_size})", param="logit_bias"
                 )
             _check_range("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+
+    def _validate_bad_words(self) -> None:
+        if len(self.bad_words) > MAX_STOP_STRINGS:
+            raise ValidationError(f"at most {MAX_STOP_STRINGS} bad_words are allowed, got {len(self.bad_words)}",
+                                  param="bad_words")  # fmt: skip
+        for word in self.bad_words:
+            if not word.strip() or len(word) > MAX_STOP_STRING_LEN:
+                raise ValidationError(f"bad_words must be words of 1 to {MAX_STOP_STRING_LEN} characters, got "
+                                      f"{word!r}", param="bad_words")  # fmt: skip
 
     def _validate_stops(self, vocab_size: int) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:

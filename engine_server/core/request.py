@@ -212,6 +212,7 @@ class Request:
             or params.repetition_penalty != 1.0
             or bool(params.begin_suppress_token_ids)
             or params.timestamps is not None
+            or bool(params.bad_word_token_ids)
         )
         self.wants_logprobs = params.logprobs or params.top_logprobs > 0
         # With sampling_params.prompt_logprobs: entry i is prompt token i + 1's log-probability given the tokens

@@ -263,15 +263,18 @@ def _logit_bias(stage: _Stager, rows: Sequence[SamplingRow]) -> SparseTokens | N
 
 def _min_tokens_bans(stage: _Stager, rows: Sequence[SamplingRow]) -> SparseTokens | None:
     """The tokens each row holds at -inf: its eos and stop ids while it has fewer than min_tokens outputs, its
-    `suppress_token_ids` always, its `begin_suppress_token_ids` before its first output."""
+    `suppress_token_ids` always, its `begin_suppress_token_ids` before its first output, its bad words'
+    (`bad_word_bans`)."""
     row_ids: list[int] = []
     token_ids: list[int] = []
     for i, row in enumerate(rows):
         params = row.params
         begins = bool(params.begin_suppress_token_ids) and not row.output_token_ids
-        if not params.suppress_token_ids and not begins and len(row.output_token_ids) >= params.min_tokens:
+        if (not params.suppress_token_ids and not begins and len(row.output_token_ids) >= params.min_tokens
+                and not params.bad_word_token_ids):
             continue  # (most rows: nothing held)
         banned: set[int] = set(params.suppress_token_ids)
+        banned.update(bad_word_bans(params.bad_word_token_ids, row.output_token_ids))
         if begins:
             banned.update(params.begin_suppress_token_ids)
         if len(row.output_token_ids) < params.min_tokens:
@@ -283,6 +286,18 @@ def _min_tokens_bans(stage: _Stager, rows: Sequence[SamplingRow]) -> SparseToken
     if not row_ids:
         return None
     return SparseTokens(stage(row_ids, np.int64), stage(token_ids, np.int64))
+
+
+def bad_word_bans(words: Sequence[Sequence[int]], outputs: Sequence[int]) -> list[int]:
+    """The tokens bad words' token sequences (`SamplingParams.bad_word_token_ids`) hold at -inf after `outputs`: a
+    one-token word's always, a longer one's last token where the outputs end with its tokens before it (vLLM's
+    rule)."""
+    banned = []
+    for word in words:
+        before = len(word) - 1
+        if before == 0 or (len(outputs) >= before and list(outputs[len(outputs) - before:]) == list(word[:-1])):
+            banned.append(word[-1])
+    return banned
 
 
 def _timestamps(stage: _Stager, rows: Sequence[SamplingRow], vocab_size: int) -> RowSubset | None:

@@ -252,6 +252,7 @@ def sampling_params(message: types_pb2.SamplingParams, defaults: GenerationDefau
         stop=tuple(message.stop),
         stop_token_ids=tuple(message.stop_token_ids),
         allowed_token_ids=tuple(message.allowed_token_ids) or None,
+        bad_words=tuple(message.bad_words),
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs,
         top_logprobs=message.top_logprobs,

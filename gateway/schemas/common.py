@@ -110,6 +110,8 @@ class SamplingFields(BaseModel):
     # vLLM's beam search: n beams (best_of, on /v1/completions, where given), the n best answered
     # (engine SamplingParams.beam_width); length_penalty and early_stopping as transformers' and vLLM's.
     use_beam_search: bool = False
+    # vLLM's: words never generated.
+    bad_words: list[str] | None = None
     # vLLM's: only these tokens are sampled.
     allowed_token_ids: list[TokenId] | None = None
     # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds).

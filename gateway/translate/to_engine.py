@@ -79,6 +79,7 @@ def sampling(
             setattr(params, name, value)
     if body.prompt_logprobs is not None:
         params.prompt_logprobs = body.prompt_logprobs
+    params.bad_words.extend(body.bad_words or [])
     if body.allowed_token_ids is not None:
         if not body.allowed_token_ids:
             raise invalid("allowed_token_ids must name at least one token", "allowed_token_ids")

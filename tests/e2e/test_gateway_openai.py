@@ -290,3 +290,18 @@ def test_allowed_token_ids_are_the_only_tokens_sampled(
     empty = gateway_http.post("/v1/chat/completions", json={"model": model_id, "messages": QUESTION,
                                                             "allowed_token_ids": []})  # fmt: skip
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "allowed_token_ids"
+
+
+def test_bad_words_are_never_generated(openai_client: openai.OpenAI, model_id: str) -> None:
+    """vLLM's bad_words: a word the greedy answer holds is kept out of it."""
+    import re
+
+    plain = openai_client.chat.completions.create(model=model_id, messages=QUESTION, max_tokens=24, temperature=0)
+    word = next(w for w in re.findall(r"[A-Za-z]{4,}", plain.choices[0].message.content or ""))
+    barred = openai_client.chat.completions.create(model=model_id, messages=QUESTION, max_tokens=24, temperature=0,
+                                                   extra_body={"bad_words": [word]})  # fmt: skip
+    assert barred.choices[0].message.content and word not in re.findall(r"[A-Za-z]+", barred.choices[0].message.content)
+    with pytest.raises(openai.BadRequestError) as refused:
+        openai_client.chat.completions.create(model=model_id, messages=QUESTION, max_tokens=4,
+                                              extra_body={"bad_words": ["x"] * 17})  # fmt: skip
+    assert refused.value.body["param"] == "bad_words"  # type: ignore[index]

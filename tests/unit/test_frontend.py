@@ -174,6 +174,19 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(inputs: InputProce
         _refused("truncate_prompt_tokens", lambda: inputs.prepare(ids, SamplingParams(truncate_prompt_tokens=bad)))  # noqa: B023
 
 
+def test_bad_words_become_their_token_sequences_as_vllm_makes_them(inputs: InputProcessor, smollm2_tokenizer: Any
+                                                                   ) -> None:  # fmt: skip
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(smollm2_tokenizer.encode(text, add_special_tokens=False))
+
+    prepared = inputs.prepare("Hello", SamplingParams(bad_words=("Paris", "  New York")))
+    assert prepared.params.bad_word_token_ids == (encode("Paris"), encode(" Paris"), encode("New York"),
+                                                  encode(" New York"))  # fmt: skip
+    assert encode("Paris") != encode(" Paris")
+    _refused("bad_words", lambda: inputs.prepare("Hello", SamplingParams(bad_words=(" ",))))
+    _refused("bad_words", lambda: inputs.prepare("Hello", SamplingParams(bad_words=("x",) * 17)))
+
+
 def test_continue_final_message_cuts_the_template_after_the_last_message(smollm2_tokenizer: Any) -> None:
     """transformers' (and vLLM's) continue_final_message: the rendered text ends with the last message's content, its
     turn left open, so the output goes on from it; it needs add_generation_prompt false, and a last message the

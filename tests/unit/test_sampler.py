@@ -237,6 +237,24 @@ def test_allowed_token_ids_restrict_tokens_alone_and_beside_a_grammar() -> None:
     assert picked == masked.argmax(dim=-1).tolist()
 
 
+def test_bad_words_hold_a_words_last_token_where_the_output_ends_with_the_rest() -> None:
+    """vLLM's bad_words rule: a one-token word is never sampled; a longer word's last token is not, right after the
+    output ends with its other tokens (greedy rows whose argmax is that token take the next best)."""
+    from engine_server.sampling.metadata import bad_word_bans
+
+    words = ((5,), (7, 8, 9))
+    assert sorted(bad_word_bans(words, [])) == [5]
+    assert sorted(bad_word_bans(words, [1, 7, 8])) == [5, 9]
+    assert sorted(bad_word_bans(words, [7, 8, 1])) == [5]
+    logits = torch.zeros(3, V)
+    logits[:, 9] = 5.0
+    logits[:, 5] = 4.0
+    logits[:, 6] = 3.0
+    params = SamplingParams(temperature=0.0, bad_word_token_ids=words)
+    rows = [make_row(params, output=out) for out in ([1, 7, 8], [7, 8, 1], [])]
+    assert Sampler(V, "cpu")(logits, rows).token_id_list() == [6, 9, 9]
+
+
 def test_sign_bit_of_the_bitmask_is_token_31() -> None:
     mask = torch.tensor([-(2**31)], dtype=torch.int32)  # only bit 31 set
     logits = random_logits(1, vocab=32)

@@ -762,6 +762,7 @@ class SamplingParams(_message.Message):
     EARLY_STOPPING_FIELD_NUMBER: _builtins.int
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    BAD_WORDS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Most tokens to generate per choice. Unset: up to the context length."""
     temperature: _builtins.float
@@ -840,6 +841,12 @@ class SamplingParams(_message.Message):
         [0, vocab_size). Empty: any token.
         """
 
+    @_builtins.property
+    def bad_words(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Words never generated (vLLM's bad_words, at most 16): each word's tokens, and its tokens after a space where
+        those differ; the last token of each is never sampled where the output so far ends with the ones before it.
+        """
+
     def __init__(
         self,
         *,
@@ -869,10 +876,11 @@ class SamplingParams(_message.Message):
         early_stopping: _builtins.bool = ...,
         truncate_prompt_tokens: _builtins.int | None = ...,
         allowed_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        bad_words: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_beam_width", b"_beam_width", "_frequency_penalty", b"_frequency_penalty", "_length_penalty", b"_length_penalty", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "beam_width", b"beam_width", "frequency_penalty", b"frequency_penalty", "length_penalty", b"length_penalty", "max_tokens", b"max_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_beam_width", b"_beam_width", "_frequency_penalty", b"_frequency_penalty", "_length_penalty", b"_length_penalty", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "allowed_token_ids", b"allowed_token_ids", "beam_width", b"beam_width", "early_stopping", b"early_stopping", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "length_penalty", b"length_penalty", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "return_prompt_token_ids", b"return_prompt_token_ids", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_beam_width", b"_beam_width", "_frequency_penalty", b"_frequency_penalty", "_length_penalty", b"_length_penalty", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "allowed_token_ids", b"allowed_token_ids", "bad_words", b"bad_words", "beam_width", b"beam_width", "early_stopping", b"early_stopping", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "length_penalty", b"length_penalty", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "return_prompt_token_ids", b"return_prompt_token_ids", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__beam_width: _TypeAlias = _typing.Literal["beam_width"]  # noqa: Y015
     _WhichOneofArgType__beam_width: _TypeAlias = _typing.Literal["_beam_width", b"_beam_width"]  # noqa: Y015
