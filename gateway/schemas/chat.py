@@ -145,6 +145,12 @@ class ChatFields(SamplingFields):
     # vLLM's: continue the last message (an assistant turn begun) instead of answering it; add_generation_prompt is
     # then false unless set true (refused).
     continue_final_message: bool = False
+    # vLLM's chat extras that would change the answer and are not served: refused when set (`to_engine.chat_input`).
+    echo: bool = False
+    chat_template: Any = None
+    documents: Any = None
+    mm_processor_kwargs: Any = None
+    add_special_tokens: bool = False
     # OpenAI's reasoning effort: the chat template's `reasoning_effort` (gpt-oss's "Reasoning: <effort>"), and
     # `enable_thinking` false for "none" (Qwen3), unless chat_template_kwargs sets them.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None

@@ -110,6 +110,11 @@ class SamplingFields(BaseModel):
     # vLLM's beam search: n beams (best_of, on /v1/completions, where given), the n best answered
     # (engine SamplingParams.beam_width); length_penalty and early_stopping as transformers' and vLLM's.
     use_beam_search: bool = False
+    # vLLM's extras that would change the answer and are not served: refused when set (`to_engine.sampling`), never
+    # ignored. (vLLM's request_id, priority and spaces_between_special_tokens are hints, and are ignored.)
+    logits_processors: Any = None
+    vllm_xargs: Any = None
+    kv_transfer_params: Any = None
     # vLLM's: words never generated.
     bad_words: list[str] | None = None
     # vLLM's: only these tokens are sampled.

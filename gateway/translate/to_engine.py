@@ -34,6 +34,7 @@ from gateway.translate.cache_salt import request_cache_salt
 from gateway.translate.media_parts import MEDIA_PARTS, NO_MEDIA, MediaBytes, part_source
 from ladle.v1 import engine_pb2, types_pb2
 
+MAX_BEAMS = 16  # the engine's beam_width cap (engine_server.sampling_params.MAX_BEAM_WIDTH)
 ENGINE_SEEDS = 2**63  # the engine takes seeds in [0, 2**63) (engine_server.sampling_params.SEED_LIMIT)
 _NEEDS = {  # what a media part without its file lacks
     "image_url": 'an image_url part needs its image: {"image_url": {"url": "data:..." or "https://..."}}',
@@ -48,11 +49,27 @@ _TOOL_MODES = {
 }
 
 
+_UNSERVED = {  # vLLM's request extras that ladle does not serve, and why
+    "logits_processors": "ladle runs no caller-supplied code",
+    "vllm_xargs": "ladle has no custom logits processors to pass them to",
+    "kv_transfer_params": "ladle does not transfer KV caches between engines",
+}
+_UNSERVED_CHAT = {  # and the chat route's, refused when set to other than their defaults
+    "chat_template": "templates cannot be supplied; the model's own renders the conversation",
+    "documents": "send the documents in the messages",
+    "mm_processor_kwargs": "images and audio are prepared as the model's own processor prepares them by default",
+}
+
+
 def sampling(
     body: SamplingFields, max_tokens: int | None, logprobs: bool, top_logprobs: int
 ) -> types_pb2.SamplingParams:
     """The engine's sampling parameters for a chat or completions body; with use_beam_search, a beam search over
-    best_of (a completions body's, where given) or n beams, answering the n best."""
+    best_of (a completions body's, where given) or n beams, answering the n best. 400 for a vLLM extra that is not
+    served (`_UNSERVED`)."""
+    for name, why in _UNSERVED.items():
+        if getattr(body, name, None) is not None:
+            raise invalid(f"{name} is not served: {why}", name)
     params = types_pb2.SamplingParams(
         n=body.n,
         min_tokens=body.min_tokens,
@@ -87,7 +104,11 @@ def sampling(
     if body.truncate_prompt_tokens is not None:
         params.truncate_prompt_tokens = body.truncate_prompt_tokens
     if body.use_beam_search:
-        params.beam_width = getattr(body, "best_of", None) or body.n
+        best_of = getattr(body, "best_of", None)
+        params.beam_width = best_of or body.n
+        if params.beam_width > MAX_BEAMS:
+            raise invalid(f"use_beam_search keeps at most {MAX_BEAMS} beams, not {params.beam_width}",
+                          "best_of" if best_of else "n")  # fmt: skip
         params.early_stopping = body.early_stopping
         if body.length_penalty is not None:
             params.length_penalty = body.length_penalty
@@ -154,6 +175,14 @@ def chat_input(body: ChatFields, messages: list[ChatMessage], images: MediaBytes
         tools=[_tool(t) for t in body.tools or []],
         add_generation_prompt=body.add_generation_prompt,
     )
+    for name, why in _UNSERVED_CHAT.items():
+        if getattr(body, name) is not None:
+            raise invalid(f"{name} is not served: {why}", name)
+    if body.echo:
+        raise invalid("echo is not served on chat: the answer holds the generated text alone", "echo")
+    if body.add_special_tokens:
+        raise invalid("add_special_tokens is not served on chat: the chat template writes the special tokens",
+                      "add_special_tokens")  # fmt: skip
     if body.continue_final_message:
         if body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
             raise invalid("continue_final_message continues the last message: add_generation_prompt must be false "

@@ -38,6 +38,13 @@ LONG = [{"role": "user", "content": "Write a very long story about a dragon who 
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].image_url"),
         ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages[0].content[0].input_audio"),
         ({"messages": [{"role": "user", "content": [{"type": "file"}]}]}, "messages[0].content[0].type"),
+        # vLLM's extras that would change the answer and are not served: refused, never ignored.
+        ({"messages": HELLO, "chat_template": "{{ messages }}"}, "chat_template"),
+        ({"messages": HELLO, "documents": [{"text": "x"}]}, "documents"),
+        ({"messages": HELLO, "echo": True}, "echo"),
+        ({"messages": HELLO, "add_special_tokens": True}, "add_special_tokens"),
+        ({"messages": HELLO, "logits_processors": ["x"]}, "logits_processors"),
+        ({"messages": HELLO, "allowed_token_ids": [10**8]}, "allowed_token_ids"),  # refused by the engine
     ],
 )
 def test_400_names_the_param(gateway_http: httpx.Client, model_id: str, body: dict[str, Any], param: str) -> None:

@@ -225,6 +225,9 @@ def test_beam_search_as_vllm_takes_it(
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "stop"
     sampled = gateway_http.post("/v1/completions", json={"model": model_id, "prompt": "Hi", "n": 1, "best_of": 2})
     assert sampled.status_code == 400 and sampled.json()["error"]["param"] == "best_of"
+    wide = gateway_http.post("/v1/completions", json={"model": model_id, "prompt": "Hi", "best_of": 17,
+                                                      "use_beam_search": True})  # fmt: skip
+    assert wide.status_code == 400 and wide.json()["error"]["param"] == "best_of"
 
 
 def test_continue_final_message_goes_on_from_the_last_message(
