@@ -503,7 +503,9 @@ class ServingEngine:
         """`generate` under beam search (`engine_server.beam_search`): step after step, the running beams run
         concurrently as one-token requests of their own under the same deadline and priority, until the search is
         done; one update, finished: the n best beams as its choices. ValidationError before anything runs
-        (`InputProcessor.beam_search`); an error in any beam's request, or closing early, cancels the step's others."""
+        (`InputProcessor.beam_search`); an error in any beam's request, or closing early, cancels the step's others.
+        Only the first step may meet a full queue (QueueFullError, unless `wait`): once the search is under way its
+        later steps wait for room, as a Batch item's requests do."""
         prepared: PreparedPrompt = await self._off_loop(self.inputs.prepare, request.prompt, request.params)
         search = self.inputs.beam_search(prepared)
         await self._adapter(request.adapter)
@@ -512,7 +514,7 @@ class ServingEngine:
             params = beam_search.step_params(prepared.params, search)
             running = [asyncio.ensure_future(self._result(
                 dataclasses.replace(request, prompt=[*prepared.token_ids, *beam.token_ids], params=params),
-                deadline, wait)) for beam in search.running]  # fmt: skip
+                deadline, wait or steps > 0)) for beam in search.running]  # fmt: skip
             try:
                 found = await asyncio.gather(*running)
             finally:  # the first error is raised; the step's other requests are cancelled (aborted in the core)

@@ -199,3 +199,34 @@ def test_min_tokens_asks_room_for_the_dropped_stop_tokens() -> None:
     search.advance([[(0, -0.1), (1, -0.2), *((t, -1.0 - t / 100) for t in range(2, 11))]])
     assert all(beam.token_ids[0] > 1 for beam in search.running)
     assert search.wanted == 9
+
+
+def test_a_cancelled_search_leaves_nothing_running(folder: Path) -> None:
+    """A caller that goes away mid-search (its RPC cancelled) ends it: the step's requests are aborted in the core and
+    no later step starts."""
+    import grpc
+
+    from ladle.v1 import engine_pb2, types_pb2
+
+    message = types_pb2.Input(token_ids=types_pb2.TokenIds(ids=prompts()[0]))
+    sampling = types_pb2.SamplingParams(max_tokens=200, beam_width=4, ignore_eos=True)
+
+    async def served() -> tuple[int, bool]:
+        async with grpc_served(folder) as (stub, engine):
+            call = stub.Generate(engine_pb2.GenerateRequest(input=message, sampling=sampling), timeout=60)
+            for _ in range(500):  # (until a step runs)
+                if engine.loop._streams:
+                    break
+                await asyncio.sleep(0.005)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            for _ in range(200):
+                if not engine.loop._streams:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # (a step that would still start after the cancel)
+            return len(engine.loop._streams), await call.code() == grpc.StatusCode.CANCELLED
+
+    left, cancelled = asyncio.run(served())
+    assert cancelled and left == 0
