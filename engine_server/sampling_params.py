@@ -222,8 +222,9 @@ class SamplingParams:
                 )
         validate_token_ids(self.stop_token_ids, vocab_size, param="stop_token_ids")
         if self.allowed_token_ids is not None:
-            if not self.allowed_token_ids:
-                raise ValidationError("allowed_token_ids must name at least one token", param="allowed_token_ids")
+            if not 0 < len(self.allowed_token_ids) <= vocab_size:
+                raise ValidationError(f"allowed_token_ids must name 1 to {vocab_size} tokens (the vocabulary), not "
+                                      f"{len(self.allowed_token_ids)}", param="allowed_token_ids")  # fmt: skip
             validate_token_ids(self.allowed_token_ids, vocab_size, param="allowed_token_ids")
 
 
