@@ -782,6 +782,29 @@ def beam_answer(tracker: RequestTracker, search: BeamSearch) -> GenerationResult
     return tracker.result
 
 
+def sampled_best_of(params: SamplingParams) -> SamplingParams | None:
+    """The parameters that sample `params.best_of` choices to answer its n best from (`best_of_answer`): best_of
+    choices, their log-probabilities asked; None where best_of asks no more than n (or beam search is asked: its
+    validation refuses best_of)."""
+    if params.best_of is None or params.best_of <= params.n or params.beam_width > 1:
+        return None
+    return dataclasses.replace(params, n=params.best_of, best_of=None, logprobs=True)
+
+
+def best_of_answer(result: GenerationResult, params: SamplingParams) -> GenerationResult:
+    """`params.n` of `result`'s choices (sampled under `sampled_best_of(params)`): those whose tokens' mean raw
+    log-probability is highest, best first (the earlier on a tie), numbered anew; their log-probabilities kept only
+    where `params` asked them; usage as sampled (every choice's tokens)."""
+    def mean(choice: Choice) -> float:
+        found = choice.logprobs or []
+        return sum(t.logprob for t in found) / len(found) if found else float("-inf")
+
+    best = sorted(result.choices, key=mean, reverse=True)[: params.n]
+    keep = params.logprobs or params.top_logprobs > 0
+    choices = [dataclasses.replace(c, index=i, logprobs=c.logprobs if keep else None) for i, c in enumerate(best)]
+    return dataclasses.replace(result, choices=choices)
+
+
 def beam_candidates(step: GenerationResult) -> list[tuple[int, float]]:
     """A beam search step's candidates for its beam: its one token's top log-probabilities (`beam_search.step_params`),
     most likely first."""

@@ -99,6 +99,9 @@ class SamplingParams:
     # log-probabilities over their length ** `length_penalty`; `early_stopping` ends it once `beam_width` beams
     # finished.
     beam_width: int = 1
+    # OpenAI's best_of (legacy completions): sample this many choices and answer the n whose tokens' mean raw
+    # log-probability is highest (None: n). Not with beam search (its beam_width is that).
+    best_of: int | None = None
     length_penalty: float = 1.0
     early_stopping: bool = False
     # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds); None: a longer prompt is refused.
@@ -163,6 +166,12 @@ class SamplingParams:
         if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
             raise ValidationError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}",
                                   param="beam_width")  # fmt: skip
+        if self.best_of is not None:
+            if not self.n <= self.best_of <= MAX_N:
+                raise ValidationError(f"best_of must be in [n, {MAX_N}] (n = {self.n}), got {self.best_of}",
+                                      param="best_of")  # fmt: skip
+            if self.beam_width > 1:
+                raise ValidationError("best_of samples; with beam search set beam_width instead", param="best_of")
         if self.beam_width > 1 and self.n > self.beam_width:
             raise ValidationError(f"beam search answers at most its beam_width ({self.beam_width}) choices, not n = "
                                   f"{self.n}", param="n")  # fmt: skip

@@ -78,6 +78,7 @@ _OPTIONAL_SAMPLING_FIELDS = (
     "beam_width",
     "length_penalty",
     "truncate_prompt_tokens",
+    "best_of",
 )
 
 

@@ -45,9 +45,11 @@ from engine_server.frontend import (
     SilenceProbe,
     beam_answer,
     beam_candidates,
+    best_of_answer,
     decode_check,
     fallback_answer,
     joined_results,
+    sampled_best_of,
     split_core_request_id,
     window_separator,
 )
@@ -355,6 +357,12 @@ class ServingEngine:
             async with contextlib.aclosing(self._generate_beams(request, deadline, wait)) as beams:
                 async for update in beams:
                     yield update
+            return
+        sampling = sampled_best_of(request.params)
+        if sampling is not None:  # best_of choices sampled, the n best answered once all are done
+            answer = best_of_answer(await self._result(dataclasses.replace(request, params=sampling), deadline, wait),
+                                    request.params)  # fmt: skip
+            yield StepUpdate([dataclasses.replace(choice) for choice in answer.choices], answer, finished=True)
             return
         if isinstance(request.prompt, TranscriptionPrompt):
             windowed = await self._off_loop(self.inputs.windows, request.prompt)

@@ -65,8 +65,8 @@ def sampling(
     body: SamplingFields, max_tokens: int | None, logprobs: bool, top_logprobs: int
 ) -> types_pb2.SamplingParams:
     """The engine's sampling parameters for a chat or completions body; with use_beam_search, a beam search over
-    best_of (a completions body's, where given) or n beams, answering the n best. 400 for a vLLM extra that is not
-    served (`_UNSERVED`)."""
+    best_of (a completions body's, where given) or n beams, answering the n best; else a completions body's best_of
+    samples that many and answers the n best. 400 for a vLLM extra that is not served (`_UNSERVED`)."""
     for name, why in _UNSERVED.items():
         if getattr(body, name, None) is not None:
             raise invalid(f"{name} is not served: {why}", name)
@@ -103,8 +103,10 @@ def sampling(
         params.allowed_token_ids.extend(body.allowed_token_ids)
     if body.truncate_prompt_tokens is not None:
         params.truncate_prompt_tokens = body.truncate_prompt_tokens
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and not body.use_beam_search:
+        params.best_of = best_of  # (the engine refuses one below n)
     if body.use_beam_search:
-        best_of = getattr(body, "best_of", None)
         params.beam_width = best_of or body.n
         if params.beam_width > MAX_BEAMS:
             raise invalid(f"use_beam_search keeps at most {MAX_BEAMS} beams, not {params.beam_width}",
@@ -347,9 +349,6 @@ def _completion_requests(
 ) -> list[engine_pb2.GenerateRequest]:
     if body.suffix:
         raise invalid("suffix is not supported", "suffix")
-    if body.best_of is not None and body.best_of != body.n and not body.use_beam_search:
-        raise invalid("best_of other than n is served with use_beam_search only (the n best of best_of beams)",
-                      "best_of")  # fmt: skip
     prompts = body.prompts()
     if not prompts:
         raise invalid("prompt must not be empty", "prompt")

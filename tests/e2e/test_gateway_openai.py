@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import openai
 import pytest
@@ -223,8 +225,8 @@ def test_beam_search_as_vllm_takes_it(
     refused = gateway_http.post("/v1/chat/completions", json={"model": model_id, "messages": QUESTION, "n": 2,
                                                               "use_beam_search": True, "stop": ["."]})  # fmt: skip
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "stop"
-    sampled = gateway_http.post("/v1/completions", json={"model": model_id, "prompt": "Hi", "n": 1, "best_of": 2})
-    assert sampled.status_code == 400 and sampled.json()["error"]["param"] == "best_of"
+    below = gateway_http.post("/v1/completions", json={"model": model_id, "prompt": "Hi", "n": 3, "best_of": 2})
+    assert below.status_code == 400 and below.json()["error"]["param"] == "best_of"
     wide = gateway_http.post("/v1/completions", json={"model": model_id, "prompt": "Hi", "best_of": 17,
                                                       "use_beam_search": True})  # fmt: skip
     assert wide.status_code == 400 and wide.json()["error"]["param"] == "best_of"
@@ -308,3 +310,22 @@ def test_bad_words_are_never_generated(openai_client: openai.OpenAI, model_id: s
         openai_client.chat.completions.create(model=model_id, messages=QUESTION, max_tokens=4,
                                               extra_body={"bad_words": ["x"] * 17})  # fmt: skip
     assert refused.value.body["param"] == "bad_words"  # type: ignore[index]
+
+
+def test_best_of_answers_the_likeliest_of_its_samples(openai_client: openai.OpenAI, model_id: str) -> None:
+    """OpenAI's best_of on completions (no beam search): best_of seeded samples, the n with the best mean token
+    log-probability answered, best first, in the order their mean log-probabilities give; usage counts every sample."""
+    prompt = "Once upon a time"
+    every = openai_client.completions.create(model=model_id, prompt=prompt, max_tokens=10, n=4, seed=5, logprobs=0)
+    best = openai_client.completions.create(model=model_id, prompt=prompt, max_tokens=10, n=2, best_of=4, seed=5,
+                                            logprobs=0)  # fmt: skip
+
+    def mean(choice: Any) -> float:
+        found = choice.logprobs.token_logprobs
+        return sum(found) / len(found)
+
+    ranked = sorted(every.choices, key=mean, reverse=True)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1]
+    assert best.usage is not None and every.usage is not None
+    assert best.usage.completion_tokens == every.usage.completion_tokens

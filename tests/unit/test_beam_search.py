@@ -230,3 +230,35 @@ def test_a_cancelled_search_leaves_nothing_running(folder: Path) -> None:
 
     left, cancelled = asyncio.run(served())
     assert cancelled and left == 0
+
+
+def test_best_of_answers_the_sampled_choices_with_the_best_mean_logprob(folder: Path, llm: LLM) -> None:
+    """OpenAI's best_of: best_of choices sampled (seeded: reproducible), the n whose tokens' mean raw log-probability
+    is highest answered, best first; usage counts every sampled token; log-probabilities only where asked. Offline and
+    over gRPC alike; below n, or with beam search, it is refused."""
+    from ladle.v1 import engine_pb2, types_pb2
+
+    prompt = prompts()[1]
+    sampled = llm.generate([prompt], SamplingParams(n=5, seed=11, max_tokens=12, logprobs=True), use_tqdm=False)[0]
+
+    def mean(choice: Any) -> float:
+        return sum(t.logprob for t in choice.logprobs) / len(choice.logprobs)
+
+    expected = [c.token_ids for c in sorted(sampled.choices, key=mean, reverse=True)[:2]]
+    assert len({tuple(ids) for ids in expected}) == 2
+    (best,) = llm.generate([prompt], SamplingParams(n=2, best_of=5, seed=11, max_tokens=12), use_tqdm=False)
+    assert [c.token_ids for c in best.choices] == expected and [c.index for c in best.choices] == [0, 1]
+    assert all(c.logprobs is None for c in best.choices)
+    assert best.usage.completion_tokens == sampled.usage.completion_tokens
+    for fields, param in (({"n": 3, "best_of": 2}, "best_of"), ({"beam_width": 3, "best_of": 3}, "best_of")):
+        with pytest.raises(ValidationError) as refused:
+            llm.generate([prompt], SamplingParams(max_tokens=4, **fields), use_tqdm=False)
+        assert refused.value.param == param
+
+    async def served() -> Any:
+        async with grpc_served(folder) as (stub, _):
+            return await stub.Generate(engine_pb2.GenerateRequest(
+                input=types_pb2.Input(token_ids=types_pb2.TokenIds(ids=prompt)),
+                sampling=types_pb2.SamplingParams(n=2, best_of=5, seed=11, max_tokens=12)), timeout=60)  # fmt: skip
+
+    assert [list(c.token_ids) for c in asyncio.run(served()).choices] == expected

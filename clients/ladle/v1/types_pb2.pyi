@@ -763,6 +763,7 @@ class SamplingParams(_message.Message):
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     BAD_WORDS_FIELD_NUMBER: _builtins.int
+    BEST_OF_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Most tokens to generate per choice. Unset: up to the context length."""
     temperature: _builtins.float
@@ -823,6 +824,11 @@ class SamplingParams(_message.Message):
     """Keep only the prompt's last k tokens (a chat's, once rendered), as vLLM's truncate_prompt_tokens; -1: as many as
     the context holds. Refused for prompts with images or clips. Unset: a prompt longer than the context is refused.
     """
+    best_of: _builtins.int
+    """Sample this many choices and answer the n whose tokens' mean log-probability is highest, best first (OpenAI's
+    best_of), in [n, 16]; usage counts every sampled token. On a Stream the n choices come whole, in one message, when
+    all are done. Not with beam_width (the beams searched are that). Unset: n.
+    """
     @_builtins.property
     def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
         """Added to the logit of each token id, values in [-100, 100]."""
@@ -877,13 +883,16 @@ class SamplingParams(_message.Message):
         truncate_prompt_tokens: _builtins.int | None = ...,
         allowed_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         bad_words: _abc.Iterable[_builtins.str] | None = ...,
+        best_of: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_beam_width", b"_beam_width", "_frequency_penalty", b"_frequency_penalty", "_length_penalty", b"_length_penalty", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "beam_width", b"beam_width", "frequency_penalty", b"frequency_penalty", "length_penalty", b"length_penalty", "max_tokens", b"max_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_beam_width", b"_beam_width", "_best_of", b"_best_of", "_frequency_penalty", b"_frequency_penalty", "_length_penalty", b"_length_penalty", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "beam_width", b"beam_width", "best_of", b"best_of", "frequency_penalty", b"frequency_penalty", "length_penalty", b"length_penalty", "max_tokens", b"max_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_beam_width", b"_beam_width", "_frequency_penalty", b"_frequency_penalty", "_length_penalty", b"_length_penalty", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "allowed_token_ids", b"allowed_token_ids", "bad_words", b"bad_words", "beam_width", b"beam_width", "early_stopping", b"early_stopping", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "length_penalty", b"length_penalty", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "return_prompt_token_ids", b"return_prompt_token_ids", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_beam_width", b"_beam_width", "_best_of", b"_best_of", "_frequency_penalty", b"_frequency_penalty", "_length_penalty", b"_length_penalty", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "allowed_token_ids", b"allowed_token_ids", "bad_words", b"bad_words", "beam_width", b"beam_width", "best_of", b"best_of", "early_stopping", b"early_stopping", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "length_penalty", b"length_penalty", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "return_prompt_token_ids", b"return_prompt_token_ids", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__beam_width: _TypeAlias = _typing.Literal["beam_width"]  # noqa: Y015
     _WhichOneofArgType__beam_width: _TypeAlias = _typing.Literal["_beam_width", b"_beam_width"]  # noqa: Y015
+    _WhichOneofReturnType__best_of: _TypeAlias = _typing.Literal["best_of"]  # noqa: Y015
+    _WhichOneofArgType__best_of: _TypeAlias = _typing.Literal["_best_of", b"_best_of"]  # noqa: Y015
     _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
     _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
     _WhichOneofReturnType__length_penalty: _TypeAlias = _typing.Literal["length_penalty"]  # noqa: Y015
@@ -914,6 +923,8 @@ class SamplingParams(_message.Message):
     _WhichOneofArgType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__beam_width) -> _WhichOneofReturnType__beam_width | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__best_of) -> _WhichOneofReturnType__best_of | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__frequency_penalty) -> _WhichOneofReturnType__frequency_penalty | None: ...
     @_typing.overload
