@@ -30,7 +30,9 @@ async def create_completion(
 ) -> Any:
     served = served_model(pool, body.model)
     model = served.id
-    admission = await admit(http, project, (body.max_tokens or 0) * body.n * len(body.prompts()))
+    # best_of (sampled: every sample is generated and counted) reserves its samples' tokens.
+    samples = body.n if body.use_beam_search else max(body.n, body.best_of or 0)
+    admission = await admit(http, project, (body.max_tokens or 0) * samples * len(body.prompts()))
     requests = to_engine.completion_requests(body, rid, cache_salt=project_cache_salt(project),
                                               adapter=served.adapter)
     prompts = body.prompts()
