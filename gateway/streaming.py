@@ -54,10 +54,12 @@ class StreamHeader:
 async def chat_chunks(
     messages: AsyncIterator[engine_pb2.StreamResponse], header: StreamHeader, want_logprobs: bool,
     timer: RequestTimer, first_call_only: bool = False, want_token_ids: bool = False, as_ids: bool = False,
+    echo: str = "",
 ) -> AsyncIterator[dict[str, Any]]:
     """Each choice's role, content, tool call and finish chunks; with `first_call_only`
     (`from_engine.one_call`), only each choice's first tool call; with `want_token_ids`, the token ids; `as_ids`:
-    the logprobs' tokens by id (`from_engine.token_label`)."""
+    the logprobs' tokens by id (`from_engine.token_label`); `echo` (vLLM's), a content chunk of its own after each
+    choice's role chunk."""
     started: set[int] = set()
     used = types_pb2.Usage()
     prompt_ids: list[int] | None = None  # the first chunk's, once the first message has them
@@ -72,6 +74,9 @@ async def chat_chunks(
                 if delta.index not in started:
                     started.add(delta.index)
                     choices.append(from_engine.role_delta(delta.index))
+                    if echo:
+                        choices.append({"index": delta.index, "delta": {"content": echo}, "logprobs": None,
+                                        "finish_reason": None})  # fmt: skip
                 made = from_engine.chat_deltas(delta, want_logprobs, first_call_only, as_ids)
                 if delta.finish_reason:
                     made.append(from_engine.finish_delta(delta, delta.index, chat=True))

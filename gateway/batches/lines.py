@@ -305,7 +305,7 @@ def response_body(line: InputLine, replies: Sequence[EngineReply], request_id: s
     body = line.body
     if isinstance(body, ChatCompletionRequest):
         return from_engine.chat_completion(body, _of(engine_pb2.GenerateResponse, replies)[0],
-                                           f"chatcmpl-{request_id}", model)
+                                           f"chatcmpl-{request_id}", model, body.echoed())
     if isinstance(body, CompletionRequest):
         return from_engine.text_completion(body, _of(engine_pb2.GenerateResponse, replies), f"cmpl-{request_id}",
                                            model)

@@ -47,6 +47,8 @@ def _refuse_unsupported(body: BatchChatCompletionRequest) -> None:
                       "use_beam_search")  # fmt: skip
     if body.n != 1:
         raise invalid("n must be 1 here: each conversation gets one choice", "n")
+    if body.echo:
+        raise invalid("echo is not served here: send such a conversation to /v1/chat/completions", "echo")
 
 
 @router.post(ROUTE, response_model=None)

@@ -53,8 +53,8 @@ async def create_chat_completion(
         messages = await calls.started(calls.stream(pool, request))
         header = StreamHeader(f"chatcmpl-{rid}", "chat.completion.chunk", model, body.include_usage, int(time.time()))
         chunks = chat_chunks(messages, header, body.logprobs, timer, from_engine.one_call(body),
-                             bool(body.return_token_ids), bool(body.return_tokens_as_token_ids))
+                             bool(body.return_token_ids), bool(body.return_tokens_as_token_ids), body.echoed())
         return sse.response(chunks)
     response = await calls.generate(pool, request)
     timer.finish([response.usage])
-    return FiniteJSONResponse(from_engine.chat_completion(body, response, f"chatcmpl-{rid}", model))
+    return FiniteJSONResponse(from_engine.chat_completion(body, response, f"chatcmpl-{rid}", model, body.echoed()))

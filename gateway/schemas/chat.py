@@ -145,8 +145,9 @@ class ChatFields(SamplingFields):
     # vLLM's: continue the last message (an assistant turn begun) instead of answering it; add_generation_prompt is
     # then false unless set true (refused).
     continue_final_message: bool = False
-    # vLLM's chat extras that would change the answer and are not served: refused when set (`to_engine.chat_input`).
+    # vLLM's: the answer's content starts with the last message's, where that is an assistant turn (`echoed`).
     echo: bool = False
+    # vLLM's chat extras that would change the answer and are not served: refused when set (`to_engine.chat_input`).
     chat_template: Any = None
     documents: Any = None
     mm_processor_kwargs: Any = None
@@ -162,6 +163,16 @@ class ChatFields(SamplingFields):
 
 class ChatCompletionRequest(ChatFields):
     messages: list[ChatMessage] = Field(min_length=1)
+
+    def echoed(self) -> str:
+        """What vLLM's `echo` puts before each choice's content: the last message's text (its text parts joined by
+        newlines) where it is an assistant turn, as the answer's is; "" without echo or otherwise."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant" or last.content is None:
+            return ""
+        if isinstance(last.content, str):
+            return last.content
+        return "\n".join(part.text or "" for part in last.content if part.type == "text")
 
 
 class BatchChatCompletionRequest(ChatFields):

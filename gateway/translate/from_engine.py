@@ -69,11 +69,15 @@ def response(
 
 
 def chat_completion(
-    body: ChatFields, reply: engine_pb2.GenerateResponse, response_id: str, model: str
+    body: ChatFields, reply: engine_pb2.GenerateResponse, response_id: str, model: str, echo: str = ""
 ) -> dict[str, Any]:
-    """The whole `chat.completion` for one conversation's engine reply (the route and batch lines share it)."""
+    """The whole `chat.completion` for one conversation's engine reply (the route and batch lines share it); `echo`
+    (vLLM's: `ChatCompletionRequest.echoed`) goes before each choice's content."""
     as_ids = bool(body.return_tokens_as_token_ids)
     choices = [chat_choice(c, c.index, body.logprobs, one_call(body), as_ids) for c in reply.choices]
+    if echo:
+        for choice in choices:
+            choice["message"]["content"] = echo + (choice["message"]["content"] or "")
     whole = response("chat.completion", response_id, model, choices, usage([reply.usage]))
     whole.update(prompt_extras(body, reply))  # the prompt's on the response, each choice's own ids on it
     for choice, engine_choice in zip(choices, reply.choices, strict=True):

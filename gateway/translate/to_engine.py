@@ -180,8 +180,6 @@ def chat_input(body: ChatFields, messages: list[ChatMessage], images: MediaBytes
     for name, why in _UNSERVED_CHAT.items():
         if getattr(body, name) is not None:
             raise invalid(f"{name} is not served: {why}", name)
-    if body.echo:
-        raise invalid("echo is not served on chat: the answer holds the generated text alone", "echo")
     if body.add_special_tokens:
         raise invalid("add_special_tokens is not served on chat: the chat template writes the special tokens",
                       "add_special_tokens")  # fmt: skip

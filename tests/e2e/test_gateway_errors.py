@@ -41,7 +41,6 @@ LONG = [{"role": "user", "content": "Write a very long story about a dragon who 
         # vLLM's extras that would change the answer and are not served: refused, never ignored.
         ({"messages": HELLO, "chat_template": "{{ messages }}"}, "chat_template"),
         ({"messages": HELLO, "documents": [{"text": "x"}]}, "documents"),
-        ({"messages": HELLO, "echo": True}, "echo"),
         ({"messages": HELLO, "add_special_tokens": True}, "add_special_tokens"),
         ({"messages": HELLO, "logits_processors": ["x"]}, "logits_processors"),
         ({"messages": HELLO, "allowed_token_ids": [10**8]}, "allowed_token_ids"),  # refused by the engine

@@ -249,6 +249,19 @@ def test_continue_final_message_goes_on_from_the_last_message(
                                                       temperature=0, extra_body=extra)  # fmt: skip
         assert reply.choices[0].message.content == continued.choices[0].text
         assert reply.usage is not None and reply.usage.prompt_tokens == len(rendered.token_ids)
+    # vLLM's echo: the answer starts with the assistant turn the caller began, whole or streamed.
+    echoed = openai_client.chat.completions.create(model=model_id, messages=begun, max_tokens=12,  # type: ignore[arg-type]
+                                                   temperature=0, extra_body={"continue_final_message": True,
+                                                                              "echo": True})  # fmt: skip
+    assert echoed.choices[0].message.content == "The capital of France is" + continued.choices[0].text
+    chunks = list(openai_client.chat.completions.create(model=model_id, messages=begun, max_tokens=12,  # type: ignore[arg-type]
+                                                        temperature=0, stream=True, extra_body={
+                                                            "continue_final_message": True, "echo": True}))  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == echoed.choices[0].message.content
+    asked = openai_client.chat.completions.create(model=model_id, messages=QUESTION, max_tokens=4, temperature=0,
+                                                  extra_body={"echo": True})  # fmt: skip
+    plain = openai_client.chat.completions.create(model=model_id, messages=QUESTION, max_tokens=4, temperature=0)
+    assert asked.choices[0].message.content == plain.choices[0].message.content  # (a user turn last: nothing echoed)
     both = gateway_http.post("/v1/chat/completions", json={"model": model_id, "messages": begun, "max_tokens": 4,
                                                            "continue_final_message": True,
                                                            "add_generation_prompt": True})  # fmt: skip

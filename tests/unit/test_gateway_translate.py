@@ -289,3 +289,25 @@ def test_max_tokens_0_echoes_the_prompt_alone() -> None:
     assert out["choices"][0]["text"] == "hi" and out["choices"][0]["finish_reason"] == "length"
     assert out["usage"]["completion_tokens"] == 0 and out["usage"]["total_tokens"] == 3
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 2
+
+
+def test_vllms_extras_reach_the_engine_and_echo_prefixes_the_answer() -> None:
+    """vLLM's generation extras become the engine's fields; echo (an assistant turn last) puts that turn's text before
+    each choice's content, also on a batch line's answer."""
+    begun = [*HELLO, {"role": "assistant", "content": [{"type": "text", "text": "It"}, {"type": "text", "text": "is"}]}]
+    body = chat(messages=begun, echo=True, continue_final_message=True, truncate_prompt_tokens=-1, bad_words=["x"],
+                allowed_token_ids=[3, 4], use_beam_search=True, n=2, length_penalty=0.5, early_stopping=True)
+    request = to_engine.chat_request(body, body.messages, "r")
+    params = request.sampling
+    assert (params.truncate_prompt_tokens, list(params.bad_words), list(params.allowed_token_ids)) == (-1, ["x"], [3, 4])
+    assert (params.beam_width, params.n, params.length_penalty, params.early_stopping) == (2, 2, 0.5, True)
+    assert request.input.chat.continue_final_message and not request.input.chat.add_generation_prompt
+    assert body.echoed() == "It\nis" and chat(echo=True).echoed() == "" and chat(messages=begun).echoed() == ""
+    reply = engine_pb2.GenerateResponse()
+    reply.choices.add(index=0, text=" Paris.", finish_reason=types_pb2.FINISH_REASON_STOP)
+    answer = from_engine.chat_completion(body, reply, "chatcmpl-r", "m", body.echoed())
+    assert answer["choices"][0]["message"]["content"] == "It\nis Paris."
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": begun, "echo": True, "continue_final_message": True}}
+    parsed = lines.parse_line(json.dumps(line).encode(), 1, 0, None, "m")
+    assert lines.response_body(parsed, [reply], "r", "m")["choices"][0]["message"]["content"] == "It\nis Paris."
