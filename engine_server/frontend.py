@@ -82,6 +82,8 @@ class ChatPrompt:
     # Continue the last message (its content the output's beginning) rather than answer it; needs
     # add_generation_prompt False (`render_chat`).
     continue_final_message: bool = False
+    # Documents for a template that reads them (a RAG template), each a mapping of strings ({"title", "text"}).
+    documents: Sequence[Mapping[str, str]] = ()
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     tool_choice: ToolChoice | None = None
 
@@ -290,7 +292,7 @@ class InputProcessor:
         choice.validate(prompt.tools)
         messages, tools = chat_for_template(prompt.messages, prompt.tools, choice, self.tool_template)
         return render_chat(self.tokenizer, messages, tools, prompt.add_generation_prompt, prompt.template_kwargs,
-                           prompt.continue_final_message)  # fmt: skip
+                           prompt.continue_final_message, prompt.documents)  # fmt: skip
 
     def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedPrompt:
         """Tokenize a prompt and, for a chat with tools, settle tool calling (blocking: run it off the event

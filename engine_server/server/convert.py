@@ -191,9 +191,23 @@ def chat_prompt(chat: types_pb2.ChatInput) -> ChatPrompt:
         tools=tools,
         add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
         continue_final_message=chat.continue_final_message,
+        documents=_documents(chat.documents_json),
         template_kwargs=kwargs,
         tool_choice=choice,
     )
+
+
+def _documents(text: str) -> tuple[dict[str, str], ...]:
+    """`ChatInput.documents_json` as the template's documents; ValidationError unless it is a JSON array of objects
+    whose values are strings."""
+    if not text:
+        return ()
+    found = _json(text, "documents")
+    if not isinstance(found, list) or not all(
+        isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in found
+    ):
+        raise ValidationError("documents must be a JSON array of objects whose values are strings", "documents")
+    return tuple(found)
 
 
 def _content_parts(message: types_pb2.ChatMessage, index: int) -> tuple[str | ChatImage | ChatAudio, ...]:

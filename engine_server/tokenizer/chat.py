@@ -150,9 +150,11 @@ def render_chat(
     add_generation_prompt: bool = True,
     template_kwargs: Mapping[str, Any] | None = None,
     continue_final_message: bool = False,
+    documents: Sequence[Mapping[str, str]] = (),
 ) -> str:
     """Return the prompt text the model's chat template produces for `messages`; with `continue_final_message`, cut
-    right after the last message's content (transformers' `continue_final_message`: the output continues it).
+    right after the last message's content (transformers' `continue_final_message`: the output continues it);
+    `documents` go to a template that reads them (transformers' `documents`).
 
     Raises ValidationError for an empty conversation, an unknown role, a model without a chat template, or a
     template variable outside ALLOWED_TEMPLATE_KWARGS; ModelTemplateError when the template attempts what its
@@ -185,6 +187,7 @@ def render_chat(
             tools=tool_dicts or None,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            documents=[dict(d) for d in documents] or None,
             tokenize=False,
             **extra,
         )

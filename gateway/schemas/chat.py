@@ -149,7 +149,8 @@ class ChatFields(SamplingFields):
     echo: bool = False
     # vLLM's chat extras that would change the answer and are not served: refused when set (`to_engine.chat_input`).
     chat_template: Any = None
-    documents: Any = None
+    # vLLM's: documents for a template that reads them (a RAG template), each an object of strings.
+    documents: list[dict[str, str]] | None = None
     mm_processor_kwargs: Any = None
     add_special_tokens: bool = False
     # OpenAI's reasoning effort: the chat template's `reasoning_effort` (gpt-oss's "Reasoning: <effort>"), and

@@ -56,7 +56,6 @@ _UNSERVED = {  # vLLM's request extras that ladle does not serve, and why
 }
 _UNSERVED_CHAT = {  # and the chat route's, refused when set to other than their defaults
     "chat_template": "templates cannot be supplied; the model's own renders the conversation",
-    "documents": "send the documents in the messages",
     "mm_processor_kwargs": "images and audio are prepared as the model's own processor prepares them by default",
 }
 
@@ -183,6 +182,8 @@ def chat_input(body: ChatFields, messages: list[ChatMessage], images: MediaBytes
     if body.add_special_tokens:
         raise invalid("add_special_tokens is not served on chat: the chat template writes the special tokens",
                       "add_special_tokens")  # fmt: skip
+    if body.documents:
+        chat.documents_json = json.dumps(body.documents)
     if body.continue_final_message:
         if body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
             raise invalid("continue_final_message continues the last message: add_generation_prompt must be false "

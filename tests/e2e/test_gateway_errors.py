@@ -40,7 +40,7 @@ LONG = [{"role": "user", "content": "Write a very long story about a dragon who 
         ({"messages": [{"role": "user", "content": [{"type": "file"}]}]}, "messages[0].content[0].type"),
         # vLLM's extras that would change the answer and are not served: refused, never ignored.
         ({"messages": HELLO, "chat_template": "{{ messages }}"}, "chat_template"),
-        ({"messages": HELLO, "documents": [{"text": "x"}]}, "documents"),
+        ({"messages": HELLO, "documents": [{"text": 5}]}, "documents[0].text"),
         ({"messages": HELLO, "add_special_tokens": True}, "add_special_tokens"),
         ({"messages": HELLO, "logits_processors": ["x"]}, "logits_processors"),
         ({"messages": HELLO, "allowed_token_ids": [10**8]}, "allowed_token_ids"),  # refused by the engine

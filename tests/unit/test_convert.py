@@ -261,3 +261,22 @@ def test_validation_messages_name_the_field() -> None:
     assert "logit_bias" in convert.status_for(ValidationError("bias out of range", "logit_bias"))[1]
     assert convert.item_error(ValidationError("bad", "n")).param == "n"
     assert "bug" not in convert.status_for(KeyError("bug"))[1]  # internals stay in the log
+
+
+def test_the_vllm_and_search_fields_are_carried() -> None:
+    message = types_pb2.SamplingParams(beam_width=4, length_penalty=0.5, early_stopping=True, best_of=3,
+                                       truncate_prompt_tokens=-1, allowed_token_ids=[3, 4], bad_words=["x y"])
+    params = convert.sampling_params(message, LADLE)
+    assert (params.beam_width, params.length_penalty, params.early_stopping, params.best_of) == (4, 0.5, True, 3)
+    assert (params.truncate_prompt_tokens, params.allowed_token_ids, params.bad_words) == (-1, (3, 4), ("x y",))
+    assert convert.sampling_params(types_pb2.SamplingParams(), LADLE).allowed_token_ids is None
+    chat = types_pb2.ChatInput(messages=[types_pb2.ChatMessage(role="user", content="hi")], continue_final_message=True,
+                               documents_json='[{"title": "A", "text": "one"}]')
+    prompt = convert.prompt_from_input(types_pb2.Input(chat=chat))
+    assert isinstance(prompt, ChatPrompt)
+    assert prompt.continue_final_message and prompt.documents == ({"title": "A", "text": "one"},)
+    for bad in ('{"a": 1}', '[{"a": 1}]', "[1]", "not json"):
+        chat.documents_json = bad
+        with pytest.raises(ValidationError) as refused:
+            convert.prompt_from_input(types_pb2.Input(chat=chat))
+        assert refused.value.param == "documents"

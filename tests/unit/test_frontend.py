@@ -187,6 +187,16 @@ def test_bad_words_become_their_token_sequences_as_vllm_makes_them(inputs: Input
     _refused("bad_words", lambda: inputs.prepare("Hello", SamplingParams(bad_words=("x",) * 17)))
 
 
+def test_documents_reach_a_template_that_reads_them(smollm2_tokenizer: Any) -> None:
+    tokenizer = copy.copy(smollm2_tokenizer)
+    tokenizer.chat_template = ("{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+                               "{% for m in messages %}{{ m.content }}{% endfor %}")  # fmt: skip
+    documents = [{"title": "A", "text": "one"}, {"title": "B", "text": "two"}]
+    hi = [ChatMessage("user", "hi")]
+    assert render_chat(tokenizer, hi, documents=documents) == "[A: one][B: two]hi"
+    assert render_chat(tokenizer, hi) == "hi"
+
+
 def test_continue_final_message_cuts_the_template_after_the_last_message(smollm2_tokenizer: Any) -> None:
     """transformers' (and vLLM's) continue_final_message: the rendered text ends with the last message's content, its
     turn left open, so the output goes on from it; it needs add_generation_prompt false, and a last message the

@@ -296,12 +296,14 @@ def test_vllms_extras_reach_the_engine_and_echo_prefixes_the_answer() -> None:
     each choice's content, also on a batch line's answer."""
     begun = [*HELLO, {"role": "assistant", "content": [{"type": "text", "text": "It"}, {"type": "text", "text": "is"}]}]
     body = chat(messages=begun, echo=True, continue_final_message=True, truncate_prompt_tokens=-1, bad_words=["x"],
-                allowed_token_ids=[3, 4], use_beam_search=True, n=2, length_penalty=0.5, early_stopping=True)
+                allowed_token_ids=[3, 4], use_beam_search=True, n=2, length_penalty=0.5, early_stopping=True,
+                documents=[{"title": "A", "text": "one"}])
     request = to_engine.chat_request(body, body.messages, "r")
     params = request.sampling
     assert (params.truncate_prompt_tokens, list(params.bad_words), list(params.allowed_token_ids)) == (-1, ["x"], [3, 4])
     assert (params.beam_width, params.n, params.length_penalty, params.early_stopping) == (2, 2, 0.5, True)
     assert request.input.chat.continue_final_message and not request.input.chat.add_generation_prompt
+    assert json.loads(request.input.chat.documents_json) == [{"title": "A", "text": "one"}]
     assert body.echoed() == "It\nis" and chat(echo=True).echoed() == "" and chat(messages=begun).echoed() == ""
     reply = engine_pb2.GenerateResponse()
     reply.choices.add(index=0, text=" Paris.", finish_reason=types_pb2.FINISH_REASON_STOP)

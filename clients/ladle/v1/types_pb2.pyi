@@ -401,6 +401,7 @@ class ChatInput(_message.Message):
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _builtins.int
     CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _builtins.int
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _builtins.int
+    DOCUMENTS_JSON_FIELD_NUMBER: _builtins.int
     add_generation_prompt: _builtins.bool
     """Append the assistant-turn header so the model answers. Default true."""
     chat_template_kwargs_json: _builtins.str
@@ -412,6 +413,10 @@ class ChatInput(_message.Message):
     template's text is cut right after that message's content, so the output goes on from it (an assistant turn
     begun by the caller: "The answer is"). Needs add_generation_prompt false; a template that does not write the
     last message's content as given is refused (INVALID_ARGUMENT).
+    """
+    documents_json: _builtins.str
+    """Documents for a template that reads them (a RAG template: Command R's, Granite's), as a JSON array of objects
+    whose values are strings (transformers' and vLLM's `documents`: {"title": ..., "text": ...}). "" for none.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
@@ -434,10 +439,11 @@ class ChatInput(_message.Message):
         add_generation_prompt: _builtins.bool | None = ...,
         chat_template_kwargs_json: _builtins.str = ...,
         continue_final_message: _builtins.bool = ...,
+        documents_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "add_generation_prompt", b"add_generation_prompt", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "add_generation_prompt", b"add_generation_prompt", "chat_template_kwargs_json", b"chat_template_kwargs_json", "continue_final_message", b"continue_final_message", "messages", b"messages", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt", "add_generation_prompt", b"add_generation_prompt", "chat_template_kwargs_json", b"chat_template_kwargs_json", "continue_final_message", b"continue_final_message", "documents_json", b"documents_json", "messages", b"messages", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_generation_prompt: _TypeAlias = _typing.Literal["add_generation_prompt"]  # noqa: Y015
     _WhichOneofArgType__add_generation_prompt: _TypeAlias = _typing.Literal["_add_generation_prompt", b"_add_generation_prompt"]  # noqa: Y015
