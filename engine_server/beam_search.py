@@ -188,10 +188,15 @@ class BeamSearch:
         self._improvable = self._improvable and bool((best > worst).any())
 
     def best(self, count: int) -> list[FinishedBeam]:
-        """The `count` best finished beams, best first (once `done`)."""
+        """The `count` best finished beams, best first (once `done`). Every place has finished by then; were one not
+        (a search whose candidates nearly all ended it), the best running beams take the places left, as ended at
+        their length."""
         assert self.done, "the search has ended"
         found = [beam for beam in self._finished[:count] if beam is not None]
-        assert len(found) == count, "every place is finished when the search ends"
+        spare = iter(self.running)
+        while len(found) < count:
+            beam = next(spare, Beam())
+            found.append(FinishedBeam(beam, float("-inf"), None))
         return found
 
 
