@@ -110,6 +110,8 @@ def sampling(
         if params.beam_width > MAX_BEAMS:
             raise invalid(f"use_beam_search keeps at most {MAX_BEAMS} beams, not {params.beam_width}",
                           "best_of" if best_of else "n")  # fmt: skip
+        if params.beam_width == 1:  # one beam is the greedy decode (the engine searches from two beams up)
+            params.temperature = 0.0
         params.early_stopping = body.early_stopping
         if body.length_penalty is not None:
             params.length_penalty = body.length_penalty

@@ -17,6 +17,7 @@ from gateway.translate import from_engine, to_engine
 from ladle.v1 import engine_pb2, types_pb2
 
 HELLO = [{"role": "user", "content": "Hi"}]
+HELLO_MESSAGES = ChatCompletionRequest.model_validate({"model": "m", "messages": HELLO}).messages
 
 
 def chat(**fields: Any) -> ChatCompletionRequest:
@@ -300,8 +301,11 @@ def test_vllms_extras_reach_the_engine_and_echo_prefixes_the_answer() -> None:
                 documents=[{"title": "A", "text": "one"}])
     request = to_engine.chat_request(body, body.messages, "r")
     params = request.sampling
-    assert (params.truncate_prompt_tokens, list(params.bad_words), list(params.allowed_token_ids)) == (-1, ["x"], [3, 4])
+    assert params.truncate_prompt_tokens == -1
+    assert (list(params.bad_words), list(params.allowed_token_ids)) == (["x"], [3, 4])
     assert (params.beam_width, params.n, params.length_penalty, params.early_stopping) == (2, 2, 0.5, True)
+    one = to_engine.chat_request(chat(use_beam_search=True, temperature=0.9), HELLO_MESSAGES, "r").sampling
+    assert one.beam_width == 1 and one.temperature == 0.0  # one beam: the greedy decode, as vLLM's search of one
     assert request.input.chat.continue_final_message and not request.input.chat.add_generation_prompt
     assert json.loads(request.input.chat.documents_json) == [{"title": "A", "text": "one"}]
     assert body.echoed() == "It\nis" and chat(echo=True).echoed() == "" and chat(messages=begun).echoed() == ""
