@@ -47,10 +47,13 @@ def llm(folder: Path) -> Any:
         yield offline
 
 
-def theirs(reference: Any, prompt: list[int], params: SamplingParams, stops: list[int]) -> tuple[list[list[int]], Any]:
+def theirs(
+    reference: Any, prompt: list[int], params: SamplingParams, stops: list[int], device: str = "cpu"
+) -> tuple[list[list[int]], Any]:
     """transformers' n best beams for `prompt` under `params` (each cut after its end token) and its output."""
     found = reference.generate(
-        torch.tensor([prompt]), num_beams=params.beam_width, num_return_sequences=params.n, do_sample=False,
+        torch.tensor([prompt], device=device), num_beams=params.beam_width, num_return_sequences=params.n,
+        do_sample=False,
         max_new_tokens=params.max_tokens, min_new_tokens=params.min_tokens, length_penalty=params.length_penalty,
         early_stopping=params.early_stopping, eos_token_id=stops, pad_token_id=0, output_scores=True,
         return_dict_in_generate=True,
@@ -250,7 +253,9 @@ def test_best_of_answers_the_sampled_choices_with_the_best_mean_logprob(folder: 
     assert [c.token_ids for c in best.choices] == expected and [c.index for c in best.choices] == [0, 1]
     assert all(c.logprobs is None for c in best.choices)
     assert best.usage.completion_tokens == sampled.usage.completion_tokens
-    for fields, param in (({"n": 3, "best_of": 2}, "best_of"), ({"beam_width": 3, "best_of": 3}, "best_of")):
+    cases: list[tuple[dict[str, Any], str]] = [({"n": 3, "best_of": 2}, "best_of"),
+                                               ({"beam_width": 3, "best_of": 3}, "best_of")]  # fmt: skip
+    for fields, param in cases:
         with pytest.raises(ValidationError) as refused:
             llm.generate([prompt], SamplingParams(max_tokens=4, **fields), use_tqdm=False)
         assert refused.value.param == param
