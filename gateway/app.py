@@ -40,6 +40,7 @@ from gateway.routers import (
     operations,
     responses,
     scores,
+    sglang_generate,
     tokenize,
     usage,
 )
@@ -107,7 +108,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_middleware(RequestContextMiddleware, metrics=metrics, max_request_bytes=config.max_request_bytes,
                        keys=keys, tracer=tracing.tracer)
     for module in (models, chat, completions, batch_chat, embeddings, scores, audio, files, batches, responses,
-                   conversations, tokenize, usage, adapters, operations):
+                   conversations, tokenize, usage, adapters, operations, sglang_generate):
         app.include_router(module.router)
     app.include_router(tokenize.version_router)
     return app
