@@ -31,7 +31,8 @@ async def generate(
     """One output (a single prompt, n 1) or the list of every prompt's choices; streamed, their events."""
     prompts = sglang.prompt_calls(body, rid)
     served = [served_for(pool, call.adapter) for call in prompts]
-    cap = sum((call.sampling.max_new_tokens or 0) * call.sampling.n for call in prompts)
+    caps = [call.sampling.max_new_tokens for call in prompts]
+    cap = None if None in caps else sum((c or 0) * call.sampling.n for c, call in zip(caps, prompts, strict=True))
     admission = await admit(http, project, cap)
     salt = project_cache_salt(project)
     requests = [sglang.engine_request(call, f"{rid}-{i}", salt, model.adapter)
