@@ -17,6 +17,7 @@ CHEAP_MAX_TOKENS = 4
 CHEAP_N = 2
 CHEAP_ITEMS = 4  # prompts (or prompt token ids), messages, conversations; pooling inputs, texts, documents
 POOLING_ROUTES = frozenset({"/v1/embeddings", "/v1/score", "/v1/rerank"})
+SGLANG_ROUTE = "/generate"  # SGLang's native body: no model; its caps inside sampling_params
 CHEAP_TEXT_CHARS = 64  # each pooling text (an input, a score side's text, a query, a document)
 CHEAP_INPUT_TOKENS = 16  # each token-id input of an embeddings body
 # Every pooling body's fields that hold texts or token-id inputs: embeddings' input, score's sides, rerank's.
@@ -52,6 +53,30 @@ def cheapen_body(body: Mapping[str, Any], model: str) -> dict[str, Any]:
     for key in ("prompt", "messages", "input"):
         if isinstance(cheap.get(key), list):
             cheap[key] = cheap[key][:CHEAP_ITEMS]
+    return cheap
+
+
+def cheapen_sglang_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a schema-valid SGLang `/generate` body that is cheap for the engine: at most CHEAP_ITEMS prompts,
+    and each sampling_params' max_new_tokens at most CHEAP_MAX_TOKENS (set when absent) and n at most CHEAP_N."""
+    cheap = dict(body)
+    for key in ("text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
+                "top_logprobs_num", "lora_path"):
+        if isinstance(cheap.get(key), list) and cheap[key] and isinstance(cheap[key][0], list | dict | str | bool):
+            cheap[key] = cheap[key][:CHEAP_ITEMS]
+
+    def capped(sampling: Any) -> Any:
+        if not isinstance(sampling, dict):
+            return sampling
+        sampling = dict(sampling)
+        tokens = sampling.get("max_new_tokens", CHEAP_MAX_TOKENS)
+        sampling["max_new_tokens"] = min(tokens, CHEAP_MAX_TOKENS) if _is_number(tokens) else CHEAP_MAX_TOKENS
+        if _is_number(sampling.get("n")):
+            sampling["n"] = min(sampling["n"], CHEAP_N)
+        return sampling
+
+    params = cheap.get("sampling_params")
+    cheap["sampling_params"] = [capped(s) for s in params] if isinstance(params, list) else capped(params or {})
     return cheap
 
 
@@ -101,6 +126,8 @@ def cheapen_case(case: Any, model: str) -> Any:
         return case
     if case.path in GENERATION_ROUTES:
         case.body = cheapen_body(case.body, model)
+    elif case.path == SGLANG_ROUTE:
+        case.body = cheapen_sglang_body(case.body)
     elif case.path in POOLING_ROUTES:
         case.body = cheapen_pooling_body(case.body, model)
     return case

@@ -13,11 +13,13 @@ from benchmarks.fuzz_cases import (
     CHEAP_INPUT_TOKENS,
     CHEAP_ITEMS,
     CHEAP_MAX_TOKENS,
+    CHEAP_N,
     CHEAP_TEXT_CHARS,
     GENERATION_ROUTES,
     cheapen_body,
     cheapen_case,
     cheapen_pooling_body,
+    cheapen_sglang_body,
     error_shape_problem,
 )
 from benchmarks.fuzz_gateway import parse_args, stages
@@ -101,3 +103,11 @@ def test_the_long_run_gives_the_generating_routes_a_stage_of_their_own() -> None
     assert every.paths is None and "stateful" in every.phases and every.max_time_s == 450
     assert focus.paths == tuple(sorted(GENERATION_ROUTES)) and focus.phases == ("fuzzing",)
     assert [s.paths for s in stages(parse_args(["--focus-share", "0"]))] == [None]
+
+
+def test_sglang_bodies_are_cheapened_inside_their_sampling_params() -> None:
+    batch = cheapen_sglang_body({"text": ["a"] * 9, "sampling_params": [{"max_new_tokens": 500, "n": 9}] * 9})
+    assert batch["text"] == ["a"] * CHEAP_ITEMS
+    assert batch["sampling_params"] == [{"max_new_tokens": CHEAP_MAX_TOKENS, "n": CHEAP_N}] * CHEAP_ITEMS
+    single = cheapen_sglang_body({"input_ids": [1, 2, 3]})
+    assert single == {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": CHEAP_MAX_TOKENS}}
