@@ -18,6 +18,7 @@ from gateway.json_output import FiniteJSONResponse
 from gateway.schemas.sglang import SGLangGenerateRequest
 from gateway.translate import sglang
 from gateway.translate.cache_salt import project_cache_salt
+from gateway.translate.to_engine import unicode_text
 from ladle.v1 import engine_pb2, types_pb2
 
 ROUTE = "/generate"
@@ -35,8 +36,9 @@ async def generate(
     cap = None if None in caps else sum((c or 0) * call.sampling.n for c, call in zip(caps, prompts, strict=True))
     admission = await admit(http, project, cap)
     salt = project_cache_salt(project)
-    requests = [sglang.engine_request(call, f"{rid}-{i}", salt, model.adapter)
-                for i, (call, model) in enumerate(zip(prompts, served, strict=True))]  # fmt: skip
+    with unicode_text():  # (a lone surrogate in a prompt or a stop string: a 400, not protobuf's encode error)
+        requests = [sglang.engine_request(call, f"{rid}-{i}", salt, model.adapter)
+                    for i, (call, model) in enumerate(zip(prompts, served, strict=True))]  # fmt: skip
     timer = RequestTimer(metrics, ROUTE, project, served[0].id, admission)
     single = len(prompts) == 1 and prompts[0].sampling.n == 1 and not _is_batch(body)
     if body.stream:

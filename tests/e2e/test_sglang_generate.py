@@ -121,9 +121,15 @@ def test_logprobs_and_stops(gateway_http: httpx.Client) -> None:
         ({"text": FRANCE, "sampling_params": [{}, {}]}, "sampling_params"),
         ({"text": FRANCE, "top_logprobs_num": 50, "return_logprob": True}, "top_logprobs_num"),
         ({"text": FRANCE, "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, "sampling_params.ebnf"),
+        ({"text": "a\ud800b"}, None),  # a lone surrogate: a 400, not protobuf's encoding error
+        ({"input_ids": []}, "input_ids"),
+        ({"text": FRANCE, "lora_path": "no-such-adapter"}, "model"),
     ],
 )
-def test_what_generate_refuses_is_a_400_naming_it(gateway_http: httpx.Client, body: dict[str, Any], param: str) -> None:
-    reply = gateway_http.post("/generate", json=body)
-    assert reply.status_code == 400, reply.text
+def test_what_generate_refuses_is_a_400_naming_it(
+    gateway_http: httpx.Client, body: dict[str, Any], param: str | None
+) -> None:
+    raw = json.dumps(body).encode()  # (json.dumps keeps a lone surrogate as its \ud800 escape)
+    reply = gateway_http.post("/generate", content=raw, headers={"content-type": "application/json"})
+    assert reply.status_code == (404 if param == "model" else 400), reply.text
     assert reply.json()["error"]["param"] == param
