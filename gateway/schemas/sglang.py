@@ -2,7 +2,8 @@
 one prompt or a batch, with `sampling_params` (SGLang's `SamplingParams`: one for every prompt, or one each). Its
 sampling keys are checked as SGLang's constructor checks them: an unknown one is a 400. Request fields SGLang has and
 ladle does not serve (embeddings or media as input, custom logit processors, hidden states, sessions) are refused by
-name (`translate.sglang`), never ignored."""
+name (`translate.sglang`), never ignored. Types are checked strictly (no string or boolean read as a number), as
+the schema states them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.schemas.common import IGNORE_EXTRA, TokenId
+from gateway.schemas.common import STRICT_IGNORE_EXTRA, TokenId
 
 SGLANG_MAX_NEW_TOKENS = 128  # SGLang's default max_new_tokens
 
@@ -19,7 +20,7 @@ class SGLangSampling(BaseModel):
     """One prompt's `sampling_params`; unset fields take the model's generation defaults, as SGLang's
     `--sampling-defaults model` (its default) takes them, and max_new_tokens SGLang's 128."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     max_new_tokens: int | None = Field(default=SGLANG_MAX_NEW_TOKENS, ge=0, le=2**32 - 1)
     min_new_tokens: int = Field(default=0, ge=0, le=2**32 - 1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -50,7 +51,7 @@ class SGLangGenerateRequest(BaseModel):
     """The body of SGLang's `/generate`. Exactly one of `text` and `input_ids`; a list of prompts (or of id lists)
     is a batch, answered as a list."""
 
-    model_config = IGNORE_EXTRA
+    model_config = STRICT_IGNORE_EXTRA
     text: str | list[str] | None = None
     input_ids: list[TokenId] | list[list[TokenId]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
