@@ -160,7 +160,7 @@ def engine_request(call: PromptCall, request_id: str, cache_salt: str = "", adap
                 json.loads(value)
             except json.JSONDecodeError as exc:
                 raise invalid(f"json_schema is not JSON: {exc}", "sampling_params.json_schema") from None
-        request.constraint.CopyFrom(types_pb2.Constraint(**{"grammar" if kind == "ebnf" else kind: value}))
+        setattr(request.constraint, "grammar" if kind == "ebnf" else kind, value)
     return request
 
 

@@ -107,6 +107,12 @@ def test_logprobs_and_stops(gateway_http: httpx.Client) -> None:
     kept = gateway_http.post("/generate", json={"text": FRANCE, "sampling_params": {
         "temperature": 0, "max_new_tokens": 6, "stop": [word], "no_stop_trim": True}}).json()  # fmt: skip
     assert kept["text"].endswith(word) and not stopped["text"].endswith(word)
+    for key, value in (("regex", "(yes|no)"), ("ebnf", 'root ::= "yes" | "no"'), ("json_schema", json.dumps(
+            {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}))):
+        constrained = gateway_http.post("/generate", json={"text": FRANCE, "sampling_params": {
+            "temperature": 0, "max_new_tokens": 12, key: value}}).json()  # fmt: skip
+        text = constrained["text"]
+        assert text in ("yes", "no") if key != "json_schema" else isinstance(json.loads(text)["a"], bool), text
 
 
 @pytest.mark.parametrize(
