@@ -42,7 +42,7 @@ async def create_chat_completion(
     http: HttpRequest,
     media: Media,
 ) -> Any:
-    served = served_model(pool, body.model)
+    served = served_model(pool, body.lora_path or body.model)  # (SGLang's lora_path names the adapter)
     model = served.id
     admission = await admit(http, project, times(body.completion_cap(), body.n))
     images = await media.fetch(chat_media_sources(body.messages))

@@ -28,7 +28,7 @@ async def create_completion(
     project: Project,
     http: HttpRequest,
 ) -> Any:
-    served = served_model(pool, body.model)
+    served = served_model(pool, body.lora_path or body.model)  # (SGLang's lora_path names the adapter)
     model = served.id
     # best_of (sampled: every sample is generated and counted) reserves its samples' tokens.
     samples = body.n if body.use_beam_search else max(body.n, body.best_of or 0)

@@ -153,6 +153,11 @@ class ChatFields(SamplingFields):
     documents: list[dict[str, str]] | None = None
     mm_processor_kwargs: Any = None
     add_special_tokens: bool = False
+    # SGLang's chat extras not served: refused when set to other than their defaults (`to_engine.chat_input`).
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    input_ids: Any = None
+    session_params: Any = None
     # OpenAI's reasoning effort: the chat template's `reasoning_effort` (gpt-oss's "Reasoning: <effort>"), and
     # `enable_thinking` false for "none" (Qwen3), unless chat_template_kwargs sets them.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None

@@ -53,6 +53,10 @@ _UNSERVED = {  # vLLM's request extras that ladle does not serve, and why
     "logits_processors": "ladle runs no caller-supplied code",
     "vllm_xargs": "ladle has no custom logits processors to pass them to",
     "kv_transfer_params": "ladle does not transfer KV caches between engines",
+    "stop_regex": "send stop strings",  # (SGLang's, as are the three below)
+    "custom_logit_processor": "ladle runs no caller-supplied code",
+    "custom_params": "ladle runs no custom logit processors",
+    "return_hidden_states": "ladle returns no hidden states",
 }
 _UNSERVED_CHAT = {  # and the chat route's, refused when set to other than their defaults
     "chat_template": "templates cannot be supplied; the model's own renders the conversation",
@@ -67,7 +71,7 @@ def sampling(
     best_of (a completions body's, where given) or n beams, answering the n best; else a completions body's best_of
     samples that many and answers the n best. 400 for a vLLM extra that is not served (`_UNSERVED`)."""
     for name, why in _UNSERVED.items():
-        if getattr(body, name, None) is not None:
+        if getattr(body, name, None) not in (None, False):
             raise invalid(f"{name} is not served: {why}", name)
     params = types_pb2.SamplingParams(
         n=body.n,
@@ -78,7 +82,7 @@ def sampling(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         skip_special_tokens=body.skip_special_tokens,
-        include_stop_str_in_output=body.include_stop_str_in_output,
+        include_stop_str_in_output=body.include_stop_str_in_output or body.no_stop_trim,
     )
     optional: dict[str, Any] = {
         "max_tokens": max_tokens,
@@ -184,6 +188,14 @@ def chat_input(body: ChatFields, messages: list[ChatMessage], images: MediaBytes
     if body.add_special_tokens:
         raise invalid("add_special_tokens is not served on chat: the chat template writes the special tokens",
                       "add_special_tokens")  # fmt: skip
+    if not body.separate_reasoning or not body.stream_reasoning:
+        name = "separate_reasoning" if not body.separate_reasoning else "stream_reasoning"
+        raise invalid(f"{name} false is not served: a reasoning parser's reasoning is always split off and streamed "
+                      "as it comes", name)  # fmt: skip
+    for name, why in (("input_ids", "send the messages, or token ids to /v1/completions"),
+                      ("session_params", "ladle keeps no sessions; send the whole conversation")):
+        if getattr(body, name) is not None:
+            raise invalid(f"{name} is not served on chat: {why}", name)
     if body.documents:
         chat.documents_json = json.dumps(body.documents)
     if body.continue_final_message:

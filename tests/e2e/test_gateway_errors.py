@@ -44,6 +44,12 @@ LONG = [{"role": "user", "content": "Write a very long story about a dragon who 
         ({"messages": HELLO, "add_special_tokens": True}, "add_special_tokens"),
         ({"messages": HELLO, "logits_processors": ["x"]}, "logits_processors"),
         ({"messages": HELLO, "allowed_token_ids": [10**8]}, "allowed_token_ids"),  # refused by the engine
+        # SGLang's extras that would change the answer and are not served.
+        ({"messages": HELLO, "stop_regex": "a+"}, "stop_regex"),
+        ({"messages": HELLO, "separate_reasoning": False}, "separate_reasoning"),
+        ({"messages": HELLO, "stream_reasoning": False}, "stream_reasoning"),
+        ({"messages": HELLO, "input_ids": [1, 2]}, "input_ids"),
+        ({"messages": HELLO, "return_hidden_states": True}, "return_hidden_states"),
     ],
 )
 def test_400_names_the_param(gateway_http: httpx.Client, model_id: str, body: dict[str, Any], param: str) -> None:

@@ -104,6 +104,15 @@ def test_chat_and_completions_select_the_adapter_by_model(served: Served) -> Non
     completion = served.client.completions.create(model="first", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
     assert completion.model == "first" and completion.choices[0].text == engine_text(served, "first", chat=False)
     assert completion.choices[0].text != engine_text(served, "", chat=False)
+    # SGLang's lora_path names the adapter beside the base model's name; so does its /generate.
+    by_path = served.client.chat.completions.create(model=served.base, messages=MESSAGES,  # type: ignore[arg-type]
+                                                    max_tokens=MAX_TOKENS, temperature=0,
+                                                    extra_body={"lora_path": "first"})  # fmt: skip
+    assert by_path.choices[0].message.content == expected
+    native = served.admin.post("/generate", json={
+        "text": PROMPT, "lora_path": "first", "sampling_params": {"temperature": 0, "max_new_tokens": MAX_TOKENS}})
+    assert native.status_code == 200, native.text
+    assert native.json()["text"] == completion.choices[0].text
 
 
 def test_an_unknown_model_is_openais_404(served: Served) -> None:

@@ -317,3 +317,12 @@ def test_vllms_extras_reach_the_engine_and_echo_prefixes_the_answer() -> None:
             "body": {"model": "m", "messages": begun, "echo": True, "continue_final_message": True}}
     parsed = lines.parse_line(json.dumps(line).encode(), 1, 0, None, "m")
     assert lines.response_body(parsed, [reply], "r", "m")["choices"][0]["message"]["content"] == "It\nis Paris."
+
+
+def test_sglangs_extras_on_chat() -> None:
+    """SGLang's no_stop_trim keeps the matched stop string; its defaults (return_hidden_states false, separate and
+    stream reasoning true) are taken as sent."""
+    kept = to_engine.chat_request(chat(no_stop_trim=True, return_hidden_states=False, separate_reasoning=True),
+                                  HELLO_MESSAGES, "r").sampling  # fmt: skip
+    assert kept.include_stop_str_in_output
+    assert not to_engine.chat_request(chat(), HELLO_MESSAGES, "r").sampling.include_stop_str_in_output
