@@ -175,6 +175,9 @@ def parse_line(
         raise refuse("invalid_body", f"{where}: {first.get('msg', 'invalid value')}", where) from None
     if getattr(body, "stream", False):
         raise refuse("invalid_body", "body.stream: streaming is not supported in a batch", "body.stream")
+    if getattr(body, "lora_path", None):
+        raise refuse("invalid_body", "body.lora_path: a batch line names its LoRA adapter in body.model",
+                     "body.lora_path")  # fmt: skip
     if model is not None and body.model is not None and body.model != model:  # score/rerank may leave it out
         if body.model not in adapters:
             message = unknown_model_message(body.model, model, list(adapters))

@@ -326,3 +326,11 @@ def test_sglangs_extras_on_chat() -> None:
                                   HELLO_MESSAGES, "r").sampling  # fmt: skip
     assert kept.include_stop_str_in_output
     assert not to_engine.chat_request(chat(), HELLO_MESSAGES, "r").sampling.include_stop_str_in_output
+
+
+def test_a_batch_line_names_its_adapter_in_model_not_lora_path() -> None:
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": HELLO, "lora_path": "first"}}
+    with pytest.raises(lines.InvalidLineError) as refused:
+        lines.parse_line(json.dumps(line).encode(), 1, 0, None, "m")
+    assert refused.value.error.param == "body.lora_path"
