@@ -204,11 +204,12 @@ class LLM:
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts")
         if any(p.beam_width > 1 for p in per_prompt):
             return self._generate_beams(batch, per_prompt, adapters, use_tqdm)
-        if any(sampled_best_of(p) is not None for p in per_prompt):  # best_of sampled, the n best answered
-            found = self.generate(batch, [sampled_best_of(p) or p for p in per_prompt], adapters=adapters,
-                                  use_tqdm=use_tqdm)  # fmt: skip
-            return [best_of_answer(result, p) if sampled_best_of(p) is not None else result
-                    for result, p in zip(found, per_prompt, strict=True)]  # fmt: skip
+        sampling = [sampled_best_of(p) for p in per_prompt]
+        if any(s is not None for s in sampling):  # best_of sampled, the n best answered
+            found = self.generate(batch, [s or p for s, p in zip(sampling, per_prompt, strict=True)],
+                                  adapters=adapters, use_tqdm=use_tqdm)  # fmt: skip
+            return [best_of_answer(result, p) if s is not None else result
+                    for result, s, p in zip(found, sampling, per_prompt, strict=True)]  # fmt: skip
         trackers: dict[str, RequestTracker] = {}
         pending: deque[Request] = deque()
         # Chat prompts settle tool calling here: a forced tool_choice adds its grammar as the constraint.

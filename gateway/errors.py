@@ -171,11 +171,12 @@ def validation_param(loc: tuple[int | str, ...]) -> str | None:
     return text or None
 
 
-def invalid_body(exc: pydantic.ValidationError) -> APIError:
+def invalid_body(exc: pydantic.ValidationError, prefix: str = "") -> APIError:
     """The 400 for a body that a route re-reads with another schema (a Responses body as chat, a tokenize body's
-    messages): its first error, naming the field."""
+    messages; a part of a body, its field named after `prefix`): its first error, naming the field."""
     first = exc.errors()[0]
     param = validation_param(tuple(first.get("loc", ())))
+    param = f"{prefix}.{param}" if prefix else param
     return invalid(f"{param}: {first.get('msg', 'invalid value')}", param)
 
 

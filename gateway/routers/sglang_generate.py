@@ -68,6 +68,9 @@ async def _events(
     """Each choice's output so far, after every engine message that advanced it (`index`: its place among every
     prompt's choices, where there are several)."""
     states: dict[tuple[int, int], sglang.ChoiceState] = {}
+    first = [0]  # each prompt's first choice's place in the list
+    for call in prompts:
+        first.append(first[-1] + call.sampling.n)
     found: dict[int, types_pb2.PromptLogprobs] = {}
     used: dict[int, types_pb2.Usage] = {}
     try:
@@ -85,7 +88,7 @@ async def _events(
                     state.finish = sglang.finish_reason(delta.finish_reason, matched, len(state.ids))
                 event = sglang.output(call, state, used[place], time.monotonic() - timer.started, found.get(place))
                 if not single:
-                    event["index"] = sum(p.sampling.n for p in prompts[:place]) + delta.index
+                    event["index"] = first[place] + delta.index
                 yield event
     finally:
         timer.finish(list(used.values()))

@@ -116,13 +116,14 @@ class SamplingFields(BaseModel):
     vllm_xargs: Any = None
     kv_transfer_params: Any = None
     # SGLang's extras: no_stop_trim keeps the matched stop string (include_stop_str_in_output); lora_path names the
-    # adapter (as `model` may); those that would change the answer and are not served are refused when set.
+    # adapter (as `model` may); those that would change the answer and are not served are refused when set to other
+    # than null or their default.
     no_stop_trim: bool = False
     lora_path: str | None = None
     stop_regex: Any = None
     custom_logit_processor: Any = None
     custom_params: Any = None
-    return_hidden_states: Any = None
+    return_hidden_states: Any = False
     # vLLM's: words never generated.
     bad_words: list[str] | None = None
     # vLLM's: only these tokens are sampled.

@@ -68,6 +68,6 @@ class SGLangGenerateRequest(BaseModel):
     audio_data: Any = None
     video_data: Any = None
     custom_logit_processor: Any = None
-    return_hidden_states: Any = None
+    return_hidden_states: Any = False
     session_params: Any = None
     token_ids_logprob: Any = None

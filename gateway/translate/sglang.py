@@ -19,9 +19,9 @@ from typing import Any
 
 import pydantic
 
-from gateway.errors import invalid, validation_param
+from gateway.errors import invalid, invalid_body
 from gateway.schemas.sglang import SGLangGenerateRequest, SGLangSampling
-from gateway.translate.to_engine import ENGINE_SEEDS, prompt_input
+from gateway.translate.to_engine import ENGINE_SEEDS, prompt_input, refuse_unserved
 from ladle.v1 import engine_pb2, types_pb2
 
 UNSERVED_REQUEST = {  # SGLang's request fields ladle does not serve, and why
@@ -59,9 +59,7 @@ def prompt_calls(body: SGLangGenerateRequest, call_id: str) -> list[PromptCall]:
     """The call's prompts, each with its own sampling and logprob options (a list field gives one per prompt, a single
     value applies to all); 400 for what SGLang refuses (neither or both of text and input_ids, lists of the wrong
     length, an unknown or bad sampling key) and for what ladle does not serve, naming the field."""
-    for name, why in UNSERVED_REQUEST.items():
-        if getattr(body, name) is not None and getattr(body, name) is not False:
-            raise invalid(f"{name} is not served: {why}", name)
+    refuse_unserved(body, UNSERVED_REQUEST)
     if (body.text is None) == (body.input_ids is None):
         raise invalid("send exactly one of text and input_ids", "text")
     prompts: list[str | list[int]]
@@ -112,12 +110,8 @@ def _sampling(fields: dict[str, Any]) -> SGLangSampling:
     try:
         sampling = SGLangSampling.model_validate(fields)
     except pydantic.ValidationError as exc:
-        first = exc.errors()[0]
-        param = f"sampling_params.{validation_param(tuple(first.get('loc', ())))}"
-        raise invalid(f"{param}: {first.get('msg', 'invalid value')}", param) from None
-    for name, why in UNSERVED_SAMPLING.items():
-        if getattr(sampling, name) is not None:
-            raise invalid(f"sampling_params.{name} is not served: {why}", f"sampling_params.{name}")
+        raise invalid_body(exc, "sampling_params") from None
+    refuse_unserved(sampling, UNSERVED_SAMPLING, "sampling_params")
     return sampling
 
 

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
+
+from pydantic import BaseModel
 
 from gateway.errors import APIError, invalid
 from gateway.schemas.chat import (
@@ -49,6 +51,17 @@ _TOOL_MODES = {
 }
 
 
+def refuse_unserved(body: BaseModel, reasons: Mapping[str, str], prefix: str = "") -> None:
+    """400 naming the first field of `reasons` (name: why it is not served) that `body` sets to a value other than
+    null and its own default (the param named after `prefix`, where given)."""
+    for name, why in reasons.items():
+        value = getattr(body, name)
+        if value is not None and value != type(body).model_fields[name].default:
+            param = f"{prefix}.{name}" if prefix else name
+            shown = f" {str(value).lower()}" if isinstance(value, bool) else ""  # (a flag: which setting)
+            raise invalid(f"{param}{shown} is not served: {why}", param)
+
+
 _UNSERVED = {  # vLLM's request extras that ladle does not serve, and why
     "logits_processors": "ladle runs no caller-supplied code",
     "vllm_xargs": "ladle has no custom logits processors to pass them to",
@@ -58,9 +71,14 @@ _UNSERVED = {  # vLLM's request extras that ladle does not serve, and why
     "custom_params": "ladle runs no custom logit processors",
     "return_hidden_states": "ladle returns no hidden states",
 }
-_UNSERVED_CHAT = {  # and the chat route's, refused when set to other than their defaults
+_UNSERVED_CHAT = {  # and the chat route's (vLLM's, then SGLang's)
     "chat_template": "templates cannot be supplied; the model's own renders the conversation",
     "mm_processor_kwargs": "images and audio are prepared as the model's own processor prepares them by default",
+    "add_special_tokens": "the chat template writes the special tokens",
+    "separate_reasoning": "a reasoning parser's reasoning is always split off",
+    "stream_reasoning": "a reasoning parser's reasoning is streamed as it comes",
+    "input_ids": "send the messages, or token ids to /v1/completions",
+    "session_params": "ladle keeps no sessions; send the whole conversation",
 }
 
 
@@ -70,9 +88,7 @@ def sampling(
     """The engine's sampling parameters for a chat or completions body; with use_beam_search, a beam search over
     best_of (a completions body's, where given) or n beams, answering the n best; else a completions body's best_of
     samples that many and answers the n best. 400 for a vLLM extra that is not served (`_UNSERVED`)."""
-    for name, why in _UNSERVED.items():
-        if getattr(body, name, None) not in (None, False):
-            raise invalid(f"{name} is not served: {why}", name)
+    refuse_unserved(body, _UNSERVED)
     params = types_pb2.SamplingParams(
         n=body.n,
         min_tokens=body.min_tokens,
@@ -182,20 +198,7 @@ def chat_input(body: ChatFields, messages: list[ChatMessage], images: MediaBytes
         tools=[_tool(t) for t in body.tools or []],
         add_generation_prompt=body.add_generation_prompt,
     )
-    for name, why in _UNSERVED_CHAT.items():
-        if getattr(body, name) is not None:
-            raise invalid(f"{name} is not served: {why}", name)
-    if body.add_special_tokens:
-        raise invalid("add_special_tokens is not served on chat: the chat template writes the special tokens",
-                      "add_special_tokens")  # fmt: skip
-    if not body.separate_reasoning or not body.stream_reasoning:
-        name = "separate_reasoning" if not body.separate_reasoning else "stream_reasoning"
-        raise invalid(f"{name} false is not served: a reasoning parser's reasoning is always split off and streamed "
-                      "as it comes", name)  # fmt: skip
-    for name, why in (("input_ids", "send the messages, or token ids to /v1/completions"),
-                      ("session_params", "ladle keeps no sessions; send the whole conversation")):
-        if getattr(body, name) is not None:
-            raise invalid(f"{name} is not served on chat: {why}", name)
+    refuse_unserved(body, _UNSERVED_CHAT)
     if body.documents:
         chat.documents_json = json.dumps(body.documents)
     if body.continue_final_message:
